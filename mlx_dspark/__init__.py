@@ -1,0 +1,18 @@
+"""mlx-dspark: Nemotron-H with NVIDIA's DSpark speculative drafter on MLX.
+
+Public names are imported lazily so that ``mlx-dspark convert`` starts without loading MLX."""
+
+_PUBLIC = {
+    "load": "api", "generate": "api", "stream_generate": "api",
+    "load_target": "target", "load_drafter": "drafter",
+}
+
+__version__ = "0.1.0"
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        import importlib
+        return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    raise AttributeError(f"module 'mlx_dspark' has no attribute {name!r}")
