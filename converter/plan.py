@@ -1,0 +1,253 @@
+"""From source headers to the list of output tensors: every check happens here, before a
+single byte is written, so bad input never leaves a partial output behind.
+
+Layout rules (ARCHITECTURE.md, "Converted checkpoint layout"): NVFP4 weight U8 (out, in/2) ->
+uint32 (out, in/8), weight_scale F8_E4M3 -> uint8 ``scales``, weight_scale_2 verbatim; FP8
+weight -> uint8, weight_scale verbatim; dense tensors unchanged. Only dtype labels change:
+every output byte is a source byte. Routed experts stack along a new leading axis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConversionError
+from .quant_config import GROUP_SIZE, QuantSpec
+from .safetensors_io import OutTensor, TensorInfo, read_header
+
+TARGET, DRAFTER = "target", "drafter"
+DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
+# Weight-only runtime: activation and KV-cache calibration scales have no use (DESIGN §4.1).
+DROPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
+# AWQ / SVDQuant extras: the weights are only correct together with them.
+_EXTRAS = re.compile(r"(\.pre_quant_scale|lora_[ab]|\.awq_\w+)$|svdquant", re.IGNORECASE)
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+_EMBEDDINGS = re.compile(r"(^|\.)(embeddings|embed_tokens)$")
+
+
+@dataclass
+class Plan:
+    kind: str
+    tensors: list[OutTensor]              # sorted by name
+    modules: dict[str, str]               # linear module prefix -> layout
+    dropped: int                          # source tensors not carried over
+
+
+def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
+    """All tensors of a single-file or sharded (index.json) export, validated."""
+    index_path = src / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise ConversionError(f"{index_path}: corrupt index (no weight_map object)") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in src.glob("*.safetensors"))
+        weight_map = None
+        if not files:
+            raise ConversionError(f"{src}: missing file: no *.safetensors (and no index)")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise ConversionError(f"{index_path}: bad shard name {name!r}")
+        for t in read_header(src / name).values():
+            if t.name in tensors:
+                raise ConversionError(
+                    f"{src / name}: tensor {t.name!r} also in {tensors[t.name].file.name}")
+            if weight_map is not None and weight_map.get(t.name) != name:
+                raise ConversionError(
+                    f"{src / name}: tensor {t.name!r} is not mapped to this file by "
+                    f"{index_path.name}")
+            tensors[t.name] = t
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise ConversionError(
+                f"{src / weight_map[missing[0]]}: tensor {missing[0]!r} listed in "
+                f"{index_path.name} is missing")
+    return tensors
+
+
+def detect_kind(config: dict, names, config_path: Path) -> str:
+    arch = config.get("architectures") or []
+    if "Qwen3DSparkModel" in arch or (
+            "fc.weight" in names and any(n.startswith("markov_head.") for n in names)):
+        return DRAFTER
+    if any("NemotronH" in a for a in arch) or any(n.startswith("backbone.") for n in names):
+        return TARGET
+    raise ConversionError(
+        f"{config_path}: unsupported model (architectures {arch}): expected a Nemotron-H "
+        f"target or an NVIDIA DSpark drafter")
+
+
+def _err(t: TensorInfo, msg: str) -> ConversionError:
+    return ConversionError(f"{t.file}: tensor {t.name!r}: {msg}")
+
+
+def _scalar_f32(t: TensorInfo, what: str) -> None:
+    if t.dtype != "F32" or t.numel != 1 or len(t.shape) > 1:
+        raise _err(t, f"{what} must be a float32 scalar, got {t.dtype} {list(t.shape)}")
+
+
+def _module_tensors(prefix: str, src: dict[str, TensorInfo]) -> tuple[str, list[tuple]]:
+    """The layout of the linear module at ``prefix`` and its output tensors as
+    (name, dtype, shape, source) -- after checking every dtype and shape."""
+    w = src[f"{prefix}.weight"]
+    scale = src.get(f"{prefix}.weight_scale")
+    scale2 = src.get(f"{prefix}.weight_scale_2")
+    if w.dtype == "U8":
+        if scale is None:
+            raise _err(w, f"NVFP4 weight without its block scale {prefix}.weight_scale")
+        if scale2 is None:
+            raise _err(w, f"NVFP4 weight without its tensor scale {prefix}.weight_scale_2")
+        if len(w.shape) != 2:
+            raise _err(w, f"NVFP4 weight must be 2-D (out, in/2), got {list(w.shape)}")
+        out, in_ = w.shape[0], 2 * w.shape[1]
+        if in_ % GROUP_SIZE:
+            raise _err(w, f"in_features {in_} is not a multiple of {GROUP_SIZE}: "
+                          f"NVFP4 blocks cannot be carried over")
+        if scale.dtype != "F8_E4M3":
+            raise _err(scale, f"block scale must be F8_E4M3, got {scale.dtype}")
+        if len(scale.shape) != 2:
+            raise _err(scale, f"block scale has shape {list(scale.shape)}: swizzled (1-D) scales "
+                              f"are refused, expected row-major {[out, in_ // GROUP_SIZE]}")
+        if scale.shape != (out, in_ // GROUP_SIZE):
+            padded = scale.shape[0] != out and scale.shape[0] % 128 == 0
+            raise _err(scale, f"block scale shape {list(scale.shape)} != "
+                              f"{[out, in_ // GROUP_SIZE]}"
+                              + (" (rows padded to 128: swizzled layout refused)" if padded else ""))
+        _scalar_f32(scale2, "tensor scale weight_scale_2")
+        return "nvfp4", [
+            (f"{prefix}.weight", "U32", (out, in_ // 8), w),
+            (f"{prefix}.scales", "U8", scale.shape, scale),
+            (f"{prefix}.weight_scale_2", "F32", (), scale2),
+        ]
+    if w.dtype == "F8_E4M3":
+        if scale is None:
+            raise _err(w, f"FP8 weight without its scale {prefix}.weight_scale")
+        if scale2 is not None:
+            raise _err(scale2, "weight_scale_2 on an FP8 weight (not a ModelOpt FP8 layout)")
+        if len(w.shape) != 2:
+            raise _err(w, f"FP8 weight must be 2-D, got {list(w.shape)}")
+        if scale.numel != 1:
+            raise _err(scale, f"FP8 scale of shape {list(scale.shape)}: only per-tensor FP8 "
+                              f"is supported")
+        _scalar_f32(scale, "FP8 weight_scale")
+        return "fp8", [
+            (f"{prefix}.weight", "U8", w.shape, w),
+            (f"{prefix}.weight_scale", "F32", (), scale),
+        ]
+    if w.dtype in DENSE_DTYPES:
+        if scale is not None or scale2 is not None:
+            raise _err(w, f"dtype {w.dtype} but the module has quantization scales: expected "
+                          f"U8 (NVFP4) or F8_E4M3 (FP8)")
+        return DENSE_DTYPES[w.dtype], [(w.name, w.dtype, w.shape, w)]
+    raise _err(w, f"unsupported weight dtype {w.dtype}")
+
+
+def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> Plan:
+    config_path = src / "config.json"
+    tensors = load_source_tensors(src)
+    kind = detect_kind(config, tensors, config_path)
+    if kind == DRAFTER and tensors and all(n.startswith("model.") for n in tensors):
+        tensors = {n[len("model."):]: t for n, t in tensors.items()}   # NVIDIA's names have no prefix
+
+    for name, t in tensors.items():
+        if _EXTRAS.search(name):
+            raise _err(t, "AWQ/SVDQuant extra tensor: the weights are only valid together with "
+                          "it, which MLX's nvfp4 layout cannot express")
+    dropped = 0
+    keep = {}
+    for name, t in tensors.items():
+        if name.endswith(DROPPED_SUFFIXES) or (kind == TARGET and not keep_mtp
+                                              and name.startswith("mtp.")):
+            dropped += 1
+        else:
+            keep[name] = t
+
+    modules: dict[str, str] = {}
+    items: list[tuple] = []
+    claimed: set[str] = set()
+    for name in sorted(keep):
+        t = keep[name]
+        if not name.endswith(".weight") or len(t.shape) < 2 and t.dtype in DENSE_DTYPES:
+            continue
+        prefix = name[:-len(".weight")]
+        fmt, outs = _module_tensors(prefix, keep)
+        expected = spec.expected(prefix)
+        quantized = fmt in ("nvfp4", "fp8")
+        if quantized and expected != fmt or not quantized and expected and spec.explicit:
+            raise _err(t, f"tensors are {fmt} but {spec.source} says "
+                          f"{expected or 'unquantized'} for module {prefix!r}")
+        if len(t.shape) == 2 and not _EMBEDDINGS.search(prefix):
+            modules[prefix] = fmt
+        claimed.update(o[3].name for o in outs)
+        items.extend(outs)
+    for name in sorted(set(keep) - claimed):
+        t = keep[name]
+        if name.endswith((".weight_scale", ".weight_scale_2")):
+            raise _err(t, f"scale without its weight {name.rsplit('.', 1)[0]}.weight")
+        if t.dtype not in DENSE_DTYPES and t.dtype not in ("I64", "I32"):
+            raise _err(t, f"unsupported dtype {t.dtype} for an unquantized tensor")
+        items.append((name, t.dtype, t.shape, t))
+
+    if spec.explicit:
+        present = set(modules) | {n.rsplit(".", 1)[0] for n in tensors}
+        for layer in spec.layers:
+            if not any(p == layer or p.startswith(layer + ".") for p in present):
+                raise ConversionError(f"{src / spec.source}: quantized_layers names {layer!r} "
+                                      f"but no such module has tensors")
+
+    out = _stack_experts(items) if kind == TARGET else [
+        OutTensor(n, d, tuple(s), (t,)) for n, d, s, t in items]
+    out.sort(key=lambda o: o.name)
+    return Plan(kind, out, _stack_module_names(modules), dropped)
+
+
+def _stack_experts(items: list[tuple]) -> list[OutTensor]:
+    """``X.experts.{e}.R`` for e = 0..E-1 -> ``X.experts.R`` with a leading E axis."""
+    out, groups = [], defaultdict(dict)
+    for name, dtype, shape, src in items:
+        m = _EXPERT.match(name)
+        if m is None:
+            out.append(OutTensor(name, dtype, tuple(shape), (src,)))
+        else:
+            groups[(m[1], m[3])][int(m[2])] = (dtype, tuple(shape), src)
+    index_sets = defaultdict(set)
+    for (base, rest), members in sorted(groups.items()):
+        idx = sorted(members)
+        if idx != list(range(len(idx))):
+            missing = sorted(set(range(idx[-1] + 1)) - set(idx))
+            first = members[idx[0]][2]
+            raise _err(first, f"experts of {base}.*.{rest} are not numbered 0..E-1 "
+                              f"(missing {missing[:5]})")
+        index_sets[base].add(len(idx))
+        if len(index_sets[base]) > 1:
+            raise _err(members[0][2], f"{base}: projections have different expert counts or "
+                                      f"layouts across experts")
+        dtype, shape, _ = members[0]
+        for e in idx:
+            d, s, src = members[e]
+            if (d, s) != (dtype, shape):
+                raise _err(src, f"expert {e} has {d} {list(s)}, expert 0 has {dtype} "
+                                f"{list(shape)}: cannot stack")
+        out.append(OutTensor(f"{base}.{rest}", dtype, (len(idx),) + shape,
+                             tuple(members[e][2] for e in idx)))
+    return out
+
+
+def _stack_module_names(modules: dict[str, str]) -> dict[str, str]:
+    stacked = {}
+    for prefix, fmt in modules.items():
+        m = _EXPERT.match(prefix)
+        key = f"{m[1]}.{m[3]}" if m else prefix
+        if stacked.setdefault(key, fmt) != fmt:
+            raise ConversionError(f"{key}: experts mix layouts {stacked[key]} and {fmt}")
+        stacked[key] = fmt
+    return dict(sorted(stacked.items()))

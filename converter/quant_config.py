@@ -1,0 +1,157 @@
+"""ModelOpt quantization configs and the config.json quirks of real exports (DESIGN §4.1)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConversionError
+
+# ModelOpt algorithm -> the converted layout; everything else is refused because its bytes
+# cannot be carried into MLX verbatim (AWQ/SVDQuant need pre_quant_scale and LoRA terms,
+# per-channel/block FP8 and INT formats have no matching MLX container here).
+ALGO_FORMAT = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
+MIXED = "MIXED_PRECISION"
+GROUP_SIZE = 16
+
+# ModelOpt 0.47 leaves a name-mapping sentinel such as "\u0000backbone.pt_name_sentinel" in
+# module names, sometimes before a trailing "*": drop it up to (not including) the "*".
+_SENTINEL = re.compile(r"\x00[^*]*")
+
+# transformers-5 `layers_block_type` names -> Nemotron-H pattern characters.
+_BLOCK_CHAR = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
+               "full_attention": "*", "mlp": "-"}
+
+
+def strip_sentinel(name: str) -> str:
+    if "\x00" not in name:
+        return name
+    name = _SENTINEL.sub("", name)
+    return name[:-1] if name.endswith(".") else name
+
+
+def normalize_json(value):
+    """Remove sentinels from every string (keys too) and decode {"__float__": "Infinity"}."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            try:
+                return float(value["__float__"])
+            except (TypeError, ValueError):
+                raise ValueError(f"bad __float__ value {value['__float__']!r}") from None
+        return {strip_sentinel(k): normalize_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalize_json(v) for v in value]
+    if isinstance(value, str):
+        return strip_sentinel(value)
+    return value
+
+
+def load_json(path: Path):
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing file")
+    try:
+        return normalize_json(json.loads(path.read_text(encoding="utf-8")))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConversionError(f"{path}: invalid JSON ({e})") from None
+
+
+def fill_layer_pattern(config: dict, path: Path) -> dict:
+    """Nemotron-H configs from transformers 5 carry `layers_block_type` instead of
+    `hybrid_override_pattern`; the runtime reads the pattern, so derive it."""
+    types = config.get("layers_block_type")
+    if "hybrid_override_pattern" in config or types is None:
+        return config
+    try:
+        pattern = "".join(_BLOCK_CHAR[t] for t in types)
+    except (KeyError, TypeError):
+        raise ConversionError(f"{path}: unknown entry in layers_block_type {types!r}") from None
+    return {**config, "hybrid_override_pattern": pattern}
+
+
+@dataclass
+class QuantSpec:
+    """Which layout the quantization config promises for each module.
+
+    ``expected(prefix)`` is "nvfp4", "fp8" or None (unquantized) and ``explicit`` says whether
+    the config names modules one by one (MIXED_PRECISION) or by exclusion globs."""
+    algo: str | None
+    source: str
+    exclude: tuple[str, ...] = ()
+    layers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def explicit(self) -> bool:
+        return self.algo == MIXED
+
+    def expected(self, prefix: str) -> str | None:
+        if self.algo is None:
+            return None
+        if self.explicit:
+            # MIXED_PRECISION lists routed experts once as "...mixer.experts": walk up the tree.
+            parts = prefix.split(".")
+            for i in range(len(parts), 0, -1):
+                fmt = self.layers.get(".".join(parts[:i]))
+                if fmt is not None:
+                    return fmt
+            return None
+        if any(fnmatch.fnmatchcase(prefix, p) or fnmatch.fnmatchcase(prefix, p + ".*")
+               for p in self.exclude):
+            return None
+        return ALGO_FORMAT[self.algo]
+
+
+def _check_algo(algo, group_size, where: str) -> str:
+    if algo not in ALGO_FORMAT:
+        raise ConversionError(
+            f"{where}: unsupported quant_algo {algo!r} (supported: "
+            f"{', '.join(sorted(ALGO_FORMAT))}, {MIXED}); its tensors cannot be copied "
+            f"verbatim into MLX's layout")
+    if ALGO_FORMAT[algo] == "nvfp4" and group_size not in (None, GROUP_SIZE):
+        raise ConversionError(f"{where}: NVFP4 group_size {group_size} (only 16 exists)")
+    return ALGO_FORMAT[algo]
+
+
+def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
+    """Read hf_quant_config.json (preferred) or config.json's quantization_config."""
+    hf_path = src / "hf_quant_config.json"
+    qc = config.get("quantization_config")
+    if hf_path.is_file():
+        q = load_json(hf_path)
+        q = q.get("quantization", q) if isinstance(q, dict) else None
+        where = hf_path
+        if not isinstance(q, dict):
+            raise ConversionError(f"{hf_path}: no 'quantization' object")
+        if isinstance(qc, dict) and qc.get("quant_algo") not in (None, q.get("quant_algo")):
+            raise ConversionError(
+                f"{hf_path}: quant_algo {q.get('quant_algo')!r} contradicts config.json's "
+                f"quantization_config ({qc.get('quant_algo')!r})")
+    elif isinstance(qc, dict):
+        q, where = qc, src / "config.json"
+        method = qc.get("quant_method", "modelopt")
+        if method != "modelopt":
+            raise ConversionError(
+                f"{where}: unsupported quant_method {method!r} (only ModelOpt exports)")
+    else:
+        return QuantSpec(algo=None, source="none")
+
+    algo = q.get("quant_algo")
+    if algo is None and not q.get("quantized_layers"):
+        return QuantSpec(algo=None, source=str(where.name))
+    if algo == MIXED:
+        layers = {}
+        for name, entry in (q.get("quantized_layers") or {}).items():
+            if not isinstance(entry, dict):
+                raise ConversionError(f"{where}: quantized_layers[{name!r}] is not an object")
+            layers[name] = _check_algo(entry.get("quant_algo"), entry.get("group_size"),
+                                       f"{where}: quantized_layers[{name!r}]")
+        if not layers:
+            raise ConversionError(f"{where}: MIXED_PRECISION without quantized_layers")
+        return QuantSpec(algo=MIXED, source=where.name, layers=layers)
+    _check_algo(algo, q.get("group_size"), str(where))
+    exclude = q.get("exclude_modules", q.get("ignore")) or []
+    if not all(isinstance(p, str) for p in exclude):
+        raise ConversionError(f"{where}: exclude_modules must be a list of strings")
+    return QuantSpec(algo=algo, source=where.name, exclude=tuple(exclude))

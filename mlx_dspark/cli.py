@@ -1,0 +1,87 @@
+"""The ``mlx-dspark`` command.
+
+Each subcommand is one row of ``COMMANDS``: a name, a one-line help, a function that adds its
+arguments, and a handler ``run(args) -> int``. Handlers import their heavy modules lazily so
+``mlx-dspark convert`` never loads MLX. Errors meant for the user (``USER_ERRORS``) print one
+line and exit 1; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from mlx_dspark.converter.errors import ConversionError
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError,)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC",
+                   help="ModelOpt Hugging Face export: a local directory or a repo id")
+    p.add_argument("-o", "--out", required=True, metavar="OUT", help="output directory")
+    p.add_argument("--revision", metavar="REV",
+                   help="revision to fetch (default: the pinned one, else main)")
+    p.add_argument("--repo-id", metavar="ID",
+                   help="the repo a local SRC was downloaded from, to check it against the pins")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it holds a previous conversion")
+    p.add_argument("--keep-mtp", action="store_true",
+                   help="keep the target's native MTP tensors (mtp.*); dropped by default "
+                        "because the runtime drafts with DSpark")
+    p.add_argument("--pins", metavar="FILE",
+                   help="pin file to check the source against (default: the packaged "
+                        "MERERUN_CONVERSION.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mlx_dspark.converter import convert
+    convert(args.src, args.out, revision=args.revision, repo_id=args.repo_id,
+            force=args.force, keep_mtp=args.keep_mtp, pins_path=args.pins,
+            progress=False if args.no_progress else None)
+    return 0
+
+
+COMMANDS: list[Command] = [
+    Command("convert", "convert a ModelOpt NVFP4/FP8 export to the MLX layout, bit for bit",
+            _convert_arguments, _convert),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-dspark",
+        description="Nemotron-H with NVIDIA's DSpark speculative drafter on MLX")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        print(f"mlx-dspark {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"mlx-dspark {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
