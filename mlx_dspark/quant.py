@@ -52,22 +52,47 @@ class NVFP4Linear(nn.Module):
         return (w * self.weight_scale_2).astype(dtype)
 
 
-class FP8Linear(nn.Module):
-    """Per-tensor FP8 weights decoded once at load (exact in any float dtype); the
-    per-tensor scale multiplies the output."""
+class ScaledLinear(nn.Module):
+    """A float weight times a per-tensor scale on the output: FP8 decoded at load, or NVFP4
+    dequantized once (the CPU compute policy, see :func:`nvfp4_policy`). Decoding is exact:
+    every E4M3 value, and every E2M1·E4M3 product, is representable in bf16/fp16/fp32; the
+    tensor scale stays a separate float32 factor, as in the quantized path."""
 
-    def __init__(self, weight_fp8, weight_scale, dtype=mx.bfloat16, bias=None):
+    def __init__(self, weight, scale, bias=None):
         super().__init__()
-        self.weight = fp8_e4m3_to_float(weight_fp8, dtype)
-        self.weight_scale = weight_scale
+        self.weight = weight
+        self.scale = scale
         if bias is not None:
             self.bias = bias
 
     def __call__(self, x):
-        y = (x @ self.weight.T) * self.weight_scale.astype(x.dtype)
+        y = (x @ self.weight.T) * self.scale.astype(x.dtype)
         if "bias" in self:
             y = y + self.bias
         return y
+
+
+def FP8Linear(weight_fp8, weight_scale, dtype=mx.bfloat16, bias=None) -> ScaledLinear:
+    """Per-tensor FP8: decoded once at load (measured faster than decoding per call, and
+    exact in any float dtype); the per-tensor scale multiplies the output."""
+    return ScaledLinear(fp8_e4m3_to_float(weight_fp8, dtype), weight_scale, bias)
+
+
+def dequantize_nvfp4(weight, scales, dtype=mx.float32) -> mx.array:
+    """e2m1 · e4m3 without the tensor scale: exact in bf16, fp16 and fp32."""
+    return mx.dequantize(weight, scales, group_size=GROUP_SIZE, bits=4, mode="nvfp4",
+                         dtype=dtype)
+
+
+def nvfp4_policy() -> str:
+    """How NVFP4 layers compute when the caller does not say.
+
+    ``"quantized"`` (``mx.quantized_matmul`` / ``mx.gather_qmm`` on the packed codes) on
+    Metal, where it is the fast path. ``"dequantized"`` (decode once at load, dense matmul)
+    on MLX's CPU backend, whose nvfp4 kernels do not use BLAS: measured on this project's
+    Linux machines (benchmarks/bench_target.py) the dense path is several times faster in
+    bf16 and at the verify block sizes, at 2x (bf16) or 4x (fp32) the weight memory."""
+    return "quantized" if mx.metal.is_available() else "dequantized"
 
 
 def module_format(weights: dict, prefix: str) -> str:
@@ -79,18 +104,23 @@ def module_format(weights: dict, prefix: str) -> str:
     return "dense"
 
 
-def make_linear(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
+def make_linear(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None = None
+                ) -> nn.Module:
     """Build the linear layer stored under ``prefix`` from a flat tensor dict.
 
     ``dtype`` is the compute dtype: activations, dense weights and decoded FP8 weights
-    use it; NVFP4 codes and scales stay packed."""
+    use it. ``nvfp4`` is ``"quantized"`` (codes stay packed) or ``"dequantized"``;
+    None means :func:`nvfp4_policy`."""
     bias = weights.get(f"{prefix}.bias")
     if bias is not None:
         bias = bias.astype(dtype)
     fmt = module_format(weights, prefix)
     if fmt == "nvfp4":
-        return NVFP4Linear(weights[f"{prefix}.weight"], weights[f"{prefix}.scales"],
-                           weights[f"{prefix}.weight_scale_2"].astype(mx.float32), bias)
+        w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
+        ws2 = weights[f"{prefix}.weight_scale_2"].astype(mx.float32)
+        if (nvfp4 or nvfp4_policy()) == "dequantized":
+            return ScaledLinear(dequantize_nvfp4(w, s, dtype), ws2, bias)
+        return NVFP4Linear(w, s, ws2, bias)
     if fmt == "fp8":
         return FP8Linear(weights[f"{prefix}.weight"], weights[f"{prefix}.weight_scale"]
                          .astype(mx.float32), dtype, bias)
@@ -100,3 +130,61 @@ def make_linear(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
     if bias is not None:
         layer.bias = bias
     return layer
+
+
+# ---------------------------------------------------------------------------------------
+# Stacked routed experts: weight (E, out, ...) with a leading expert axis. Called as
+# ``layer(x, idx)`` with ``x (..., 1, 1, in)`` and ``idx (..., k)`` -> ``(..., k, 1, out)``
+# (mlx-lm's SwitchLinear convention). ``sorted_indices`` tells MLX that ``idx`` is sorted,
+# which makes the gathered matmul contiguous per expert for long inputs.
+
+
+class NVFP4Experts(nn.Module):
+    """Packed NVFP4 experts: ``mx.gather_qmm`` on the codes, then each expert's own tensor
+    scale on its output (``* ws2[idx]``)."""
+
+    def __init__(self, weight, scales, weight_scale_2):
+        super().__init__()
+        self.weight = weight
+        self.scales = scales
+        self.weight_scale_2 = weight_scale_2
+
+    def __call__(self, x, idx, sorted_indices=False):
+        y = mx.gather_qmm(x, self.weight, self.scales, rhs_indices=idx, transpose=True,
+                          group_size=GROUP_SIZE, bits=4, mode="nvfp4",
+                          sorted_indices=sorted_indices)
+        return y * self.weight_scale_2[idx].astype(y.dtype)[..., None, None]
+
+
+class DenseExperts(nn.Module):
+    """Float experts (BF16/F32 checkpoints, or FP8/NVFP4 decoded at load); ``scale`` is
+    the per-expert tensor scale of the decoded formats, None for plain float weights."""
+
+    def __init__(self, weight, scale=None):
+        super().__init__()
+        self.weight = weight
+        if scale is not None:
+            self.scale = scale
+
+    def __call__(self, x, idx, sorted_indices=False):
+        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=idx,
+                         sorted_indices=sorted_indices)
+        if "scale" in self:
+            y = y * self.scale[idx].astype(y.dtype)[..., None, None]
+        return y
+
+
+def make_experts(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None = None
+                 ) -> nn.Module:
+    """The stacked experts stored under ``prefix`` (see :func:`make_linear`)."""
+    fmt = module_format(weights, prefix)
+    if fmt == "nvfp4":
+        w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
+        ws2 = weights[f"{prefix}.weight_scale_2"].astype(mx.float32)
+        if (nvfp4 or nvfp4_policy()) == "dequantized":
+            return DenseExperts(dequantize_nvfp4(w, s, dtype), ws2)
+        return NVFP4Experts(w, s, ws2)
+    if fmt == "fp8":
+        return DenseExperts(fp8_e4m3_to_float(weights[f"{prefix}.weight"], dtype),
+                            weights[f"{prefix}.weight_scale"].astype(mx.float32))
+    return DenseExperts(weights[f"{prefix}.weight"].astype(dtype))

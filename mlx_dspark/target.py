@@ -1,0 +1,508 @@
+"""Nemotron-H, the hybrid target: Mamba-2 (``M``), MoE (``E``), attention (``*``) and dense
+MLP (``-``) blocks, each ``x + mixer(RMSNorm(x))``, then ``norm_f`` and an untied ``lm_head``.
+
+Beyond a plain forward it does what speculative decoding needs (DESIGN §5):
+
+* ``step`` advances a cache and can return *taps*: the residual stream after chosen layers,
+  before ``norm_f``, concatenated in order ``[T, n*hidden]``.
+* ``verify`` is a step that remembers, per Mamba layer, the state before the block and each
+  position's recurrence inputs; ``commit(cache, n)`` then keeps the first ``n`` positions:
+  attention KV is trimmed, Mamba states are restored and the recurrence alone is replayed over
+  the accepted positions (no weights read, no extra model pass; nothing at all when every
+  position is kept).
+
+Numerics (where we knowingly differ from the references):
+
+* The Mamba mixer computes in float32 from the ``in_proj`` output to the gated norm (conv,
+  dt, the SSM and its fp32 states, the gated RMSNorm), then casts to the compute dtype for
+  ``out_proj``. transformers runs the conv in the weight dtype; in fp32 both agree.
+* dt is ``clip(softplus(dt + dt_bias), *time_step_limit)`` on every path, with the config's
+  ``time_step_limit`` (default ``(0, inf)``: no clamp), as mlx-lm and NVIDIA's kernels do.
+  transformers instead clamps at ``time_step_min`` (1e-3) in its chunked (prefill) path only
+  and not in its single-token path, so its prefill and decode disagree whenever
+  ``softplus(dt + dt_bias) < 1e-3``; one rule on every path is what keeps our incremental
+  decoding equal to a full forward and rollback exact.
+* Blocks of at most ``SERIAL_MAX`` positions (decode steps, every verify, every replay) run
+  the SSM recurrence position by position through one function (kernels/mamba.py), so a
+  replayed state is bit-identical to a serial run; longer inputs (prefill) use the chunked
+  scan, equal to the serial one up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .kernels import mamba as K
+from .quant import make_experts, make_linear
+
+SERIAL_MAX = 8
+"""Longest block whose SSM recurrence runs position by position (covers N+1 <= 8 verify)."""
+
+_BLOCK_CHARS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*",
+                "attention": "*", "mlp": "-"}
+
+
+@dataclass
+class TargetConfig:
+    vocab_size: int
+    hidden_size: int
+    hybrid_override_pattern: str
+    layer_norm_epsilon: float = 1e-5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    time_step_limit: tuple = (0.0, float("inf"))
+    intermediate_size: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.hybrid_override_pattern)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "TargetConfig":
+        d = dict(d)
+        pattern = d.pop("hybrid_override_pattern", None)
+        kinds = d.pop("layers_block_type", None) or d.pop("layer_types", None)
+        if pattern is None and kinds is not None:
+            unknown = sorted(set(kinds) - _BLOCK_CHARS.keys())
+            if unknown:
+                raise ValueError(f"{source}: unknown layers_block_type entries {unknown}")
+            pattern = "".join(_BLOCK_CHARS[k] for k in kinds)
+        if pattern is None:
+            raise ValueError(f"{source}: needs hybrid_override_pattern or layers_block_type")
+        pattern = "".join(pattern)
+        if set(pattern) - set("ME*-"):
+            raise ValueError(f"{source}: hybrid_override_pattern {pattern!r} has block kinds "
+                             "other than M, E, * and -")
+        if "n_routed_experts" not in d and "num_local_experts" in d:
+            d["n_routed_experts"] = d["num_local_experts"]
+        names = {f.name for f in fields(cls)} - {"extra", "hybrid_override_pattern"}
+        known = {k: d[k] for k in names if k in d and d[k] is not None}
+        missing = [k for k in ("vocab_size", "hidden_size") if k not in known]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}")
+        limit = known.get("time_step_limit")
+        if limit is not None:
+            known["time_step_limit"] = tuple(_as_float(v) for v in limit)
+        return cls(hybrid_override_pattern=pattern, extra=d, **known)
+
+
+def _as_float(v):
+    if isinstance(v, dict) and "__float__" in v:     # ModelOpt's serialization of inf
+        return float(v["__float__"])
+    return float(v)
+
+
+# ------------------------------------------------------------------------------- caches
+
+
+class KVCache:
+    """Attention keys/values ``(b, kv_heads, L, head_dim)`` in a buffer grown in steps."""
+
+    STEP = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update(self, k, v):
+        t = k.shape[2]
+        if self.keys is None or self.offset + t > self.keys.shape[2]:
+            grow = ((self.offset + t + self.STEP - 1) // self.STEP) * self.STEP
+            shape = (*k.shape[:2], grow, k.shape[3])
+            nk, nv = mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype)
+            if self.offset:
+                nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
+                nv[..., :self.offset, :] = self.values[..., :self.offset, :]
+            self.keys, self.values = nk, nv
+        self.keys[..., self.offset:self.offset + t, :] = k
+        self.values[..., self.offset:self.offset + t, :] = v
+        self.offset += t
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    def state(self):
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+
+class MambaCache:
+    """Conv window (the last K-1 raw conv inputs) and SSM state, both float32.
+
+    ``record`` is set by a verify: the state before the block and the per-position inputs
+    the recurrence needs, so that :meth:`commit` can rebuild any prefix exactly."""
+
+    def __init__(self):
+        self.conv = None
+        self.ssm = None
+        self.record = None
+
+    def commit(self, n: int, A):
+        conv0, ssm0, xbc, x, dt, B, C = self.record
+        self.record = None
+        if n == xbc.shape[1]:
+            return                                    # full acceptance: state is current
+        k1 = conv0.shape[1]
+        self.conv = mx.concatenate([conv0, xbc[:, :n]], axis=1)[:, -k1:] if k1 else conv0
+        self.ssm = K.ssm_replay(ssm0, x[:, :n], dt[:, :n], A, B[:, :n], C[:, :n])
+
+
+class TargetCache:
+    """One entry per layer (KVCache, MambaCache, or None for stateless blocks)."""
+
+    def __init__(self, pattern: str):
+        self.layers = [KVCache() if c == "*" else MambaCache() if c == "M" else None
+                       for c in pattern]
+        self.offset = 0
+        self.pending = None          # positions of the last verify, until commit
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+
+# ------------------------------------------------------------------------------- blocks
+
+
+def _rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+        super().__init__()
+        self.h, self.hp = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.g, self.n = cfg.n_groups, cfg.ssm_state_size
+        self.d_inner = self.h * self.hp
+        self.conv_dim = self.d_inner + 2 * self.g * self.n
+        self.eps = cfg.layer_norm_epsilon
+        self.limit = cfg.time_step_limit
+        self.chunk = cfg.chunk_size
+        self.in_proj = make_linear(w, f"{p}.in_proj", dtype, nvfp4)
+        self.out_proj = make_linear(w, f"{p}.out_proj", dtype, nvfp4)
+        cw = w[f"{p}.conv1d.weight"]
+        # HF (C, 1, K); mlx-lm (C, K, 1); converted keeps the source (C, 1, K).
+        self.conv_weight = cw.reshape(cw.shape[0], -1).astype(mx.float32)
+        cb = w.get(f"{p}.conv1d.bias")
+        self.conv_bias = None if cb is None else cb.astype(mx.float32)
+        self.dt_bias = w[f"{p}.dt_bias"].astype(mx.float32)
+        self.A = -mx.exp(w[f"{p}.A_log"].astype(mx.float32))
+        self.D = w[f"{p}.D"].astype(mx.float32)
+        self.norm_weight = w[f"{p}.norm.weight"].astype(dtype)
+
+    def __call__(self, h, cache: MambaCache | None, record: bool):
+        b, t, _ = h.shape
+        zxbcdt = self.in_proj(h)
+        gate, xbc, dt = mx.split(zxbcdt, [self.d_inner, self.d_inner + self.conv_dim], axis=-1)
+        xbc = xbc.astype(mx.float32)
+        k1 = self.conv_weight.shape[1] - 1
+        conv0 = cache.conv if cache is not None and cache.conv is not None else \
+            mx.zeros((b, k1, self.conv_dim), mx.float32)
+        padded = mx.concatenate([conv0, xbc], axis=1)
+        conv = nn.silu(K.causal_conv(padded, self.conv_weight, self.conv_bias))
+        x, B, C = mx.split(conv, [self.d_inner, self.d_inner + self.g * self.n], axis=-1)
+        x = x.reshape(b, t, self.h, self.hp)
+        B = B.reshape(b, t, self.g, self.n)
+        C = C.reshape(b, t, self.g, self.n)
+        dt = K.discretize_dt(dt, self.dt_bias, self.limit)
+        ssm0 = cache.ssm if cache is not None else None
+        if t <= SERIAL_MAX or record:
+            if ssm0 is None:
+                ssm0 = mx.zeros((b, self.h, self.hp, self.n), mx.float32)
+            y, ssm = K.ssm_serial(ssm0, x, dt, self.A, B, C, self.D)
+        else:
+            y, ssm = K.ssm_chunked(ssm0, x, dt, self.A, B, C, self.D, self.chunk)
+        if cache is not None:
+            if record:
+                cache.record = (conv0, ssm0, xbc, x, dt, B, C)
+            cache.conv = padded[:, -k1:] if k1 else conv0
+            cache.ssm = ssm
+        # Gated grouped RMSNorm in fp32, weight applied after the cast (as transformers).
+        y = y.reshape(b, t, self.d_inner) * nn.silu(gate.astype(mx.float32))
+        y = y.reshape(b, t, self.g, -1)
+        y = mx.fast.rms_norm(y, None, self.eps).reshape(b, t, self.d_inner)
+        return self.out_proj(self.norm_weight * y.astype(self.norm_weight.dtype))
+
+
+class Attention(nn.Module):
+    """Causal GQA attention without positional encoding."""
+
+    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+        super().__init__()
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.hd ** -0.5
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, make_linear(w, f"{p}.{name}", dtype, nvfp4))
+
+    def __call__(self, h, cache: KVCache | None):
+        b, t, _ = h.shape
+        q = self.q_proj(h).reshape(b, t, self.nh, self.hd).transpose(0, 2, 1, 3)
+        k = self.k_proj(h).reshape(b, t, self.nkv, self.hd).transpose(0, 2, 1, 3)
+        v = self.v_proj(h).reshape(b, t, self.nkv, self.hd).transpose(0, 2, 1, 3)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        # "causal" aligns the queries with the last keys, so it also serves cached blocks.
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                 mask="causal" if t > 1 else None)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """``down(relu(up x)^2)``: the dense block and the shared expert."""
+
+    def __init__(self, w: dict, p: str, dtype, nvfp4):
+        super().__init__()
+        self.up_proj = make_linear(w, f"{p}.up_proj", dtype, nvfp4)
+        self.down_proj = make_linear(w, f"{p}.down_proj", dtype, nvfp4)
+
+    def __call__(self, x):
+        return self.down_proj(nn.relu2(self.up_proj(x)))
+
+
+class MoE(nn.Module):
+    """Sigmoid router; experts chosen on ``score + e_score_correction_bias`` (optionally
+    within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
+    normalized, times ``routed_scaling_factor``; plus one shared expert."""
+
+    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+        super().__init__()
+        self.cfg = cfg
+        self.router = w[f"{p}.gate.weight"].astype(mx.float32)
+        self.bias = w[f"{p}.gate.e_score_correction_bias"].astype(mx.float32)
+        self.up = make_experts(w, f"{p}.experts.up_proj", dtype, nvfp4)
+        self.down = make_experts(w, f"{p}.experts.down_proj", dtype, nvfp4)
+        self.shared = MLP(w, f"{p}.shared_experts", dtype, nvfp4)
+
+    def route(self, x):
+        c = self.cfg
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.router.T)
+        choice = scores + self.bias
+        if c.n_group > 1:
+            grouped = choice.reshape(*choice.shape[:-1], c.n_group, -1)
+            gscore = mx.topk(grouped, 2, axis=-1).sum(axis=-1)
+            drop = mx.argpartition(gscore, c.n_group - c.topk_group - 1, axis=-1)[
+                ..., :c.n_group - c.topk_group]
+            grouped = mx.put_along_axis(grouped, drop[..., None], mx.array(-mx.inf), axis=-2)
+            choice = grouped.reshape(choice.shape)
+        k = c.num_experts_per_tok
+        idx = mx.argpartition(-choice, k - 1, axis=-1)[..., :k]
+        weights = mx.take_along_axis(scores, idx, axis=-1)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return idx, weights * c.routed_scaling_factor
+
+    def __call__(self, x):
+        idx, weights = self.route(x)
+        shape = x.shape
+        xf = x.reshape(-1, 1, 1, shape[-1])
+        idx_f = idx.reshape(-1, idx.shape[-1])
+        # Long inputs: sort the (token, expert) pairs so each expert's rows are contiguous.
+        sort = idx_f.size >= 64
+        if sort:
+            flat = idx_f.flatten()
+            order = mx.argsort(flat)
+            inv = mx.argsort(order)
+            xs = xf[order // idx_f.shape[-1]]
+            ids = flat[order][:, None]
+        else:
+            xs, ids = xf, idx_f
+        y = self.down(nn.relu2(self.up(xs, ids, sort)), ids, sort)
+        if sort:
+            y = y[inv].reshape(*idx_f.shape, 1, -1)
+        y = y.squeeze(-2).reshape(*idx.shape, -1)
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return y.reshape(shape) + self.shared(x)
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str, cfg: TargetConfig, w: dict, i: int, dtype, nvfp4):
+        super().__init__()
+        p = f"backbone.layers.{i}"
+        self.kind = kind
+        self.norm_weight = w[f"{p}.norm.weight"].astype(dtype)
+        self.eps = cfg.layer_norm_epsilon
+        cls = {"M": Mamba2Mixer, "*": Attention, "E": MoE}.get(kind)
+        self.mixer = cls(cfg, w, f"{p}.mixer", dtype, nvfp4) if cls else \
+            MLP(w, f"{p}.mixer", dtype, nvfp4)
+
+    def __call__(self, x, cache, record):
+        h = _rms_norm(x, self.norm_weight, self.eps)
+        if self.kind == "M":
+            h = self.mixer(h, cache, record)
+        elif self.kind == "*":
+            h = self.mixer(h, cache)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+# ------------------------------------------------------------------------------- model
+
+
+class NemotronH(nn.Module):
+    def __init__(self, cfg: TargetConfig, w: dict, dtype=mx.bfloat16, nvfp4=None):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embeddings = w["backbone.embeddings.weight"].astype(dtype)
+        self.layers = [Block(c, cfg, w, i, dtype, nvfp4)
+                       for i, c in enumerate(cfg.hybrid_override_pattern)]
+        self.norm_f = w["backbone.norm_f.weight"].astype(dtype)
+        if "lm_head.weight" in w:
+            self.head = make_linear(w, "lm_head", dtype, nvfp4)
+        elif cfg.tie_word_embeddings:
+            self.head = make_linear({"lm_head.weight": self.embeddings}, "lm_head", dtype)
+        else:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+
+    # --- pieces the drafter borrows
+    def embed(self, tokens):
+        return self.embeddings[tokens]
+
+    def lm_head(self, h):
+        return self.head(h)
+
+    # --- forward passes
+    def _forward(self, tokens, cache, tap_layers, record):
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        x = self.embed(tokens)
+        taps = {}
+        want = set(tap_layers or ())
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if cache is None else cache[i], record)
+            if i in want:
+                taps[i] = x
+        logits = self.lm_head(_rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
+        if cache is not None:
+            cache.offset += tokens.shape[1]
+        if not tap_layers:
+            return logits, None
+        bad = [i for i in tap_layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"tap layers {bad} outside 0..{len(self.layers) - 1}")
+        t = mx.concatenate([taps[i] for i in tap_layers], axis=-1)
+        return logits, (t[0] if t.shape[0] == 1 else t)
+
+    def __call__(self, tokens):
+        """Full forward without cache: ``tokens [1, T] -> logits [1, T, V]``."""
+        return self._forward(tokens, None, None, False)[0]
+
+    def make_cache(self) -> TargetCache:
+        return TargetCache(self.config.hybrid_override_pattern)
+
+    def step(self, tokens, cache: TargetCache, tap_layers=None):
+        """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``."""
+        if cache.pending is not None:
+            raise RuntimeError("commit() the last verify before stepping again")
+        return self._forward(tokens, cache, tap_layers, False)
+
+    def verify(self, tokens, cache: TargetCache, tap_layers=None):
+        """Like :meth:`step` over ``[bonus, d1..dN]``, remembering what :meth:`commit`
+        needs to keep any prefix."""
+        if cache.pending is not None:
+            raise RuntimeError("commit() the last verify before verifying again")
+        out = self._forward(tokens, cache, tap_layers, True)
+        cache.pending = tokens.shape[-1]
+        return out
+
+    def commit(self, cache: TargetCache, n: int):
+        """Keep the first ``n`` (1 <= n <= N+1) positions of the last verify."""
+        t = cache.pending
+        if t is None:
+            raise RuntimeError("commit() without a verify")
+        if not 1 <= n <= t:
+            raise ValueError(f"commit({n}) outside 1..{t}")
+        cache.pending = None
+        drop = t - n
+        for layer, c in zip(self.layers, cache.layers):
+            if isinstance(c, KVCache):
+                c.offset -= drop
+            elif isinstance(c, MambaCache):
+                c.commit(n, layer.mixer.A)
+        cache.offset -= drop
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+DEFAULT_DTYPE = mx.bfloat16
+
+
+def _stack_experts(w: dict, n_layers: int) -> dict:
+    """HF-format checkpoints keep one tensor set per expert; stack them on a leading axis
+    (converted checkpoints arrive stacked already)."""
+    for i in range(n_layers):
+        p = f"backbone.layers.{i}.mixer.experts"
+        for proj in ("up_proj", "down_proj"):
+            if f"{p}.0.{proj}.weight" not in w:
+                if f"{p}.{proj}" in w:                    # transformers' in-memory name
+                    w[f"{p}.{proj}.weight"] = w.pop(f"{p}.{proj}")
+                continue
+            suffixes = sorted({k[len(f"{p}.0.{proj}."):] for k in w
+                               if k.startswith(f"{p}.0.{proj}.")})
+            e = 0
+            while f"{p}.{e}.{proj}.weight" in w:
+                e += 1
+            for s in suffixes:
+                w[f"{p}.{proj}.{s}"] = mx.stack([w.pop(f"{p}.{j}.{proj}.{s}")
+                                                 for j in range(e)])
+    return w
+
+
+def load_weights(path: str) -> dict:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    w = {}
+    for f in files:
+        try:
+            w.update(mx.load(f))
+        except Exception as e:  # noqa: BLE001 - re-raised with the file named
+            raise ValueError(f"{f}: cannot read safetensors ({e})") from None
+    return w
+
+
+def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
+    """Load a converted (or plain HF-format) Nemotron-H directory.
+
+    ``dtype``: compute dtype, default :data:`DEFAULT_DTYPE`. ``nvfp4``: ``"quantized"`` or
+    ``"dequantized"`` compute for NVFP4 layers, default per backend (quant.nvfp4_policy)."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = TargetConfig.from_dict(raw, cfg_path)
+    w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
+    w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
+    try:
+        model = NemotronH(cfg, w, dtype or DEFAULT_DTYPE, nvfp4)
+    except KeyError as e:
+        raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
+    mx.eval(model.parameters())
+    return model
