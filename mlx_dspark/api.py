@@ -1,0 +1,180 @@
+"""The public API (DESIGN §3): ``load``, ``generate``, ``stream_generate``.
+
+``generate`` is ``stream_generate`` collected, so streaming yields exactly the text the
+non-streaming call returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .speculative import Sampler, Session, Stats, decode
+from .tokenizer import encode, load_tokenizer
+
+DEMO = Path(__file__).parent / "demo"
+
+
+@dataclass
+class Pair:
+    """A target, its drafter (None: serial decoding only) and the tokenizer (None: token-id
+    prompts only, empty texts)."""
+
+    target: object
+    drafter: object = None
+    tokenizer: object = None
+
+    def session(self) -> Session:
+        """A reusable decoding state: pass it to successive calls whose prompts extend each
+        other (a chat) and only the new tokens are prefilled. One live session per pair:
+        a session owns the drafter's context while it is used."""
+        return Session(self.target, self.drafter)
+
+
+@dataclass
+class Chunk:
+    """One streamed piece. ``token`` is the generated token id (None on the final chunk,
+    which flushes any held-back text and carries the final stats)."""
+
+    text: str
+    token: int | None
+    stats: dict
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: dict
+
+    @property
+    def finish_reason(self):
+        return self.stats["finish_reason"]
+
+
+def load(model=None, drafter=None, dtype=None) -> Pair:
+    """Load a converted target (and drafter) from local directories.
+
+    ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
+    then ``drafter=None`` means the demo drafter. With an explicit ``model``, ``drafter=None``
+    means no drafter (serial decoding)."""
+    from .drafter import load_drafter
+    from .target import load_target
+
+    if model is None:
+        model = DEMO / "target"
+        drafter = DEMO / "drafter" if drafter is None else drafter
+    model = Path(model)
+    if not model.is_dir():
+        raise FileNotFoundError(f"{model}: no such model directory")
+    if drafter is not None and not Path(drafter).is_dir():
+        raise FileNotFoundError(f"{drafter}: no such drafter directory")
+    target = load_target(model, dtype=dtype)
+    return Pair(target=target,
+                drafter=load_drafter(drafter, target) if drafter is not None else None,
+                tokenizer=load_tokenizer(model))
+
+
+def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
+                    session: Session | None = None) -> Iterator[Chunk]:
+    """Yield one chunk per generated token, then a final chunk (token None).
+
+    ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
+    list of chat messages, or a list of token ids used verbatim. ``stop``: extra stop token
+    ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
+    part of the output; a stop string ends the text just before it (the token that completed it
+    is kept in ``tokens``)."""
+    prompt_ids = _prompt_ids(pair, prompt, chat)
+    stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+    stop_strings = [s for s in stop if isinstance(s, str)]
+    stop_tokens = {s for s in stop if not isinstance(s, str)}
+    tok = pair.tokenizer
+    if tok is not None:
+        stop_tokens |= set(tok.eos_token_ids)
+    elif stop_strings:
+        raise ValueError("stop strings need a tokenizer")
+    if any(not s for s in stop_strings):
+        raise ValueError("empty stop string")
+
+    stats = Stats()
+    detok = tok.detokenizer if tok is not None else None
+    if detok is not None:
+        detok.reset()
+    shown = 0        # characters of the detokenized text already yielded
+    text_end = None  # where a stop string cut the text
+    tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
+                    sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
+                    speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
+                    session=session)
+    for token in tokens:
+        if token in stop_tokens:
+            stats.finish_reason = "stop"
+            break
+        if detok is None:
+            yield Chunk("", token, stats.as_dict())
+            continue
+        detok.add_token(token)
+        text = detok.text
+        cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
+        if cut is not None:
+            text_end = cut
+            stats.finish_reason = "stop"
+            yield Chunk(text[shown:cut], token, stats.as_dict())
+            shown = cut
+            break
+        safe = len(text) - _held_back(text, stop_strings)
+        yield Chunk(text[shown:safe], token, stats.as_dict())
+        shown = max(shown, safe)
+    tokens.close()
+    tail = ""
+    if detok is not None and text_end is None:
+        detok.finalize()
+        text = detok.text
+        cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
+        if cut is not None:
+            stats.finish_reason = "stop"
+        tail = text[shown:cut]
+    yield Chunk(tail, None, stats.as_dict())
+
+
+def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
+    """Generate and return the whole result (same arguments as ``stream_generate``)."""
+    text, tokens, stats = [], [], {}
+    for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
+        text.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        stats = chunk.stats
+    return Result("".join(text), tokens, stats)
+
+
+def _prompt_ids(pair: Pair, prompt, chat: bool) -> list[int]:
+    if not prompt:
+        raise ValueError("empty prompt: give some text or at least one token id")
+    if all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if pair.tokenizer is None:
+        raise ValueError("text prompts need a tokenizer; this pair has none")
+    return encode(pair.tokenizer, prompt, chat)
+
+
+def _find_stop(text: str, stop_strings, start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stop_strings) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop_strings) -> int:
+    """Length of the longest end of ``text`` that could be the start of a stop string."""
+    best = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _longest(stop_strings) -> int:
+    return max((len(s) for s in stop_strings), default=0)

@@ -1,0 +1,134 @@
+"""The break-even controller (DESIGN §8): speculate only while it is expected to win.
+
+A speculative round with N drafts emits ``E = 1 + sum_{j<=N} prod_{i<=j} alpha_i`` tokens on
+average and costs ``t_round``; a serial step emits one token and costs ``t_serial``. The
+controller keeps online estimates of the per-position conditional acceptance ``alpha_i`` and of
+both measured wall times, and predicts ``speedup = E * t_serial / t_round``.
+
+Policy (constants below, chosen by measurement, see README "Break-even controller"):
+* Start with one speculative round, then one serial step, so both costs are measured early.
+* While speculating: switch to serial when the predicted speedup falls below ``OFF``. Every
+  ``REFRESH`` rounds take one serial step so ``t_serial`` follows the context length.
+* While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
+  prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
+  ``PROBE_MAX``), so a useless drafter costs a vanishing share of serial time. Switching on
+  resets the interval to ``PROBE_MIN``.
+* ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
+
+Acceptance estimates are decayed counts with a Laplace prior: each time position i is
+*tested* (all earlier drafts accepted) ``tested_i = DECAY * tested_i + 1`` and
+``accepted_i = DECAY * accepted_i + [accepted]``; ``alpha_i = (accepted_i + 1/2) / (tested_i + 1)``
+(a prior worth one test, so one round moves the estimate a lot and a useless drafter's
+estimate sinks to ~0.05). Positions never tested keep the prior 1/2. Costs are exponential moving averages (weight
+``COST_EMA``) seeded by their first measurement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ON = 1.05         # switch speculation on above this predicted speedup
+OFF = 1.0         # switch it off below this one
+DECAY = 0.9       # acceptance memory: ~10 tests per position
+COST_EMA = 0.2    # weight of a new wall-time measurement
+PROBE_MIN = 16    # serial steps before the first probe
+PROBE_MAX = 256   # longest gap between probes
+REFRESH = 32      # speculative rounds between serial cost refreshes
+
+
+@dataclass
+class Controller:
+    """Decides, before each decode step, whether it is a serial step or a speculative round.
+
+    ``forced`` is None for "auto", True/False to always/never speculate (estimates are still
+    kept, so stats can report them)."""
+
+    num_draft: int
+    forced: bool | None = None
+    speculating: bool = True
+    switches: int = 0
+    probe_every: int = PROBE_MIN
+    t_serial: float | None = None
+    t_round: float | None = None
+    tested: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
+
+    def __post_init__(self):
+        self.tested = [0.0] * self.num_draft
+        self.accepted = [0.0] * self.num_draft
+
+    # -- estimates ---------------------------------------------------------------------------
+
+    def alpha(self) -> list[float]:
+        return [(a + 0.5) / (t + 1.0) for a, t in zip(self.accepted, self.tested)]
+
+    def expected_tokens(self) -> float:
+        """Expected tokens emitted by one round, the bonus included."""
+        e, run = 1.0, 1.0
+        for a in self.alpha():
+            run *= a
+            e += run
+        return e
+
+    def predicted_speedup(self) -> float | None:
+        if self.t_serial is None or self.t_round is None:
+            return None
+        return self.expected_tokens() * self.t_serial / self.t_round
+
+    # -- decision ----------------------------------------------------------------------------
+
+    def speculate_next(self) -> bool:
+        """True: run a speculative round next; False: a serial step."""
+        if self.forced is not None:
+            return self.forced
+        if self.t_serial is None and self.t_round is not None:
+            return False                               # measure a serial step early
+        if self.speculating:
+            return self._since < REFRESH
+        return self._since >= self.probe_every
+
+    # -- observations ------------------------------------------------------------------------
+
+    def observe_serial(self, seconds: float):
+        self.t_serial = _ema(self.t_serial, seconds)
+        if self.speculating:
+            self._since = 0                            # that was a refresh
+        else:
+            self._since += 1
+
+    def observe_round(self, seconds: float, num_drafted: int, num_tested: int,
+                      num_accepted: int):
+        """A round drafted num_drafted tokens, tested drafts 1..num_tested (all up to the
+        first rejection) and accepted the first num_accepted of them.
+
+        Rounds with fewer drafts than ``num_draft`` (the last round before max_tokens) count
+        for acceptance but not for cost."""
+        for i in range(num_tested):
+            self.tested[i] = DECAY * self.tested[i] + 1.0
+            self.accepted[i] = DECAY * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+        if num_drafted == self.num_draft:
+            self.t_round = _ema(self.t_round, seconds)
+        if self.forced is not None:
+            return
+        if self.speculating:
+            self._since += 1
+            speedup = self.predicted_speedup()
+            if speedup is not None and speedup < OFF:
+                self._switch(False)
+        else:
+            self._since = 0
+            speedup = self.predicted_speedup()
+            if speedup is not None and speedup > ON:
+                self._switch(True)
+                self.probe_every = PROBE_MIN
+            else:
+                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+
+    def _switch(self, on: bool):
+        self.speculating = on
+        self.switches += 1
+        self._since = 0
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - COST_EMA) * old + COST_EMA * new

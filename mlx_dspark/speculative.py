@@ -1,0 +1,330 @@
+"""The speculative decoding loop (DESIGN §7), one short function per step.
+
+    prefill  -> the prompt through the target, taps to the drafter, first token sampled
+    per round:
+      draft    d1..dN = drafter.propose(bonus, N)             (+ the draft distributions)
+      verify   target over [bonus, d1..dN] in one pass        -> p_0..p_N, taps
+      accept   greedy argmax match / rejection sampling       -> a accepted, next token
+      commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
+
+A serial step is the same machinery with no drafts. The break-even controller decides, before
+each step, which of the two to run. ``decode`` yields tokens one at a time; stop tokens and
+``max_tokens`` are applied here so that the target and drafter state after a stop is the same
+as after serial decoding (the stop token is emitted, never fed)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from . import sampling
+from .controller import Controller
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How tokens are chosen; the same warping applies to target and draft distributions."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Stats:
+    """Counters and wall times of one generation (seconds; token counts exclude the prompt).
+
+    ``accepted`` counts accepted drafts only; ``mean_accepted_per_round`` is accepted drafts
+    per round (bonus excluded) and ``mean_tokens_per_round`` the tokens each round emitted
+    (bonus included, = mean_accepted + 1 before any stop)."""
+
+    prompt_tokens: int = 0
+    generated: int = 0
+    rounds: int = 0
+    serial_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tested_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    switches: int = 0
+    t_prefill: float = 0.0
+    t_serial: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_rollback: float = 0.0
+    t_round: float = 0.0
+    mode: str = "serial"          # what the controller was doing at the end
+    finish_reason: str | None = None
+    predicted_speedup: float | None = None
+
+    def as_dict(self) -> dict:
+        decode = self.t_serial + self.t_round
+        round_tokens = self.generated - self.serial_steps - (1 if self.generated else 0)
+        return {
+            "mode": self.mode,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated,
+            "rounds": self.rounds,
+            "serial_steps": self.serial_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_by_position": [a / t if t else None for a, t in
+                                       zip(self.accepted_by_position, self.tested_by_position)],
+            "tested_by_position": list(self.tested_by_position),
+            "mean_accepted_per_round": self.accepted / self.rounds if self.rounds else 0.0,
+            "mean_tokens_per_round": round_tokens / self.rounds if self.rounds else 0.0,
+            "mode_switches": self.switches,
+            "predicted_speedup": self.predicted_speedup,
+            "time": {
+                "prefill": self.t_prefill,
+                "serial": self.t_serial,
+                "draft": self.t_draft,
+                "verify": self.t_verify,
+                "rollback": self.t_rollback,
+                "other": self.t_round - self.t_draft - self.t_verify - self.t_rollback,
+            },
+            # the first token comes from the prefill; decode speed counts the rest
+            "tokens_per_s": (self.generated - 1) / decode if decode > 0 and self.generated > 1
+            else 0.0,
+            "prompt_tokens_per_s": self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0,
+        }
+
+
+class Session:
+    """Target cache and drafter context of one growing token sequence.
+
+    ``tokens`` are the tokens fed to the target so far. Taps of those tokens reach the drafter
+    lazily (``pending``): serial steps only queue them, and the queue is flushed in one
+    ``add_context`` call before the next proposal, so "auto" pays almost nothing for keeping the
+    drafter ready while it decodes serially. A session may be passed to ``decode`` again with a
+    prompt that extends ``tokens`` (a chat's next turn): only the new suffix is prefilled."""
+
+    def __init__(self, target, drafter=None):
+        self.target, self.drafter = target, drafter
+        self.reset()
+
+    def reset(self):
+        self.cache = self.target.make_cache()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.tokens: list[int] = []
+        self.pending: list[mx.array] = []
+        self.pending_start = 0
+
+    @property
+    def tap_layers(self):
+        return tuple(self.drafter.target_layer_ids) if self.drafter is not None else None
+
+    def feed(self, tokens: list[int], taps: mx.array | None):
+        if taps is not None:
+            if not self.pending:
+                self.pending_start = len(self.tokens)
+            self.pending.append(taps)
+        self.tokens.extend(tokens)
+
+    def flush(self):
+        if self.pending:
+            taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
+            self.drafter.add_context(taps, self.pending_start)
+            self.pending = []
+
+
+def context_limit(target) -> int | None:
+    """Maximum sequence length the target's config declares, if any."""
+    cfg = target.config
+    if not isinstance(cfg, dict):   # a config dataclass keeps unmodelled fields in .extra
+        cfg = {**getattr(cfg, "extra", {}), **vars(cfg)}
+    limit = cfg.get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The steps
+
+
+def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
+    """Feed the prompt (or the part the session has not seen) and return the last logits."""
+    if session.tokens and (len(prompt) <= len(session.tokens)
+                           or prompt[:len(session.tokens)] != session.tokens):
+        session.reset()
+    new = prompt[len(session.tokens):]
+    logits, taps = session.target.step(mx.array([new]), session.cache,
+                                       tap_layers=session.tap_layers if tap else None)
+    session.feed(new, taps)
+    return logits[0, -1]
+
+
+def pick(logits: mx.array, sampler: Sampler, key) -> int:
+    """Choose one token from one row of target logits."""
+    if sampler.greedy:
+        return mx.argmax(logits).item()
+    return sampling.draw(sampling.warp(logits, sampler.temperature, sampler.top_p,
+                                       sampler.top_k), key=key).item()
+
+
+def serial_step(session: Session, token: int, sampler: Sampler, key, tap: bool) -> int:
+    """Feed one token, choose the next."""
+    logits, taps = session.target.step(mx.array([[token]]), session.cache,
+                                       tap_layers=session.tap_layers if tap else None)
+    session.feed([token], taps)
+    return pick(logits[0, -1], sampler, key)
+
+
+def draft(session: Session, bonus: int, n: int, sampler: Sampler, key):
+    """The drafter proposes d1..dn after the bonus; returns them and their logits."""
+    session.flush()
+    tokens, logits = session.drafter.propose(bonus, n, temperature=sampler.temperature,
+                                             top_p=sampler.top_p, top_k=sampler.top_k, key=key)
+    mx.eval(tokens, logits)
+    return tokens.tolist(), logits
+
+
+def verify(session: Session, bonus: int, drafts: list[int]):
+    """One target pass over [bonus, d1..dn]: logits [n+1, V] and taps [n+1, ...]."""
+    logits, taps = session.target.verify(mx.array([[bonus] + drafts]), session.cache,
+                                         tap_layers=session.tap_layers)
+    mx.eval(logits, taps)
+    return logits[0], taps
+
+
+def accept(drafts: list[int], draft_logits: mx.array, target_logits: mx.array,
+           sampler: Sampler, key) -> tuple[int, int]:
+    """How many drafts survive, and the token after them (DESIGN §7 step 3)."""
+    if sampler.greedy:
+        return sampling.accept_greedy(drafts, target_logits)
+    warp = lambda x: sampling.warp(x, sampler.temperature, sampler.top_p, sampler.top_k)
+    return sampling.accept_sampled(drafts, warp(target_logits), warp(draft_logits), key)
+
+
+def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):
+    """Keep the first ``keep`` verified tokens (bonus, d1..d_{keep-1}); drop the rest."""
+    session.target.commit(session.cache, keep)
+    mx.eval(_arrays(session.cache))
+    session.feed([bonus] + drafts[:keep - 1], taps[:keep])
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Sampler = Sampler(),
+           num_draft: int = 3, speculative: bool | str = "auto", seed: int | None = None,
+           stop_tokens=(), stats: Stats | None = None,
+           session: Session | None = None) -> Iterator[int]:
+    """Yield up to ``max_tokens`` generated tokens; a stop token is yielded and ends the run.
+
+    ``speculative``: "auto" (break-even controller), True (always), False (never; the drafter
+    is not touched). ``stats`` (optional) is filled in as the run goes."""
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token")
+    if speculative not in ("auto", True, False):
+        raise ValueError(f"speculative must be 'auto', True or False, not {speculative!r}")
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, not {num_draft}")
+    limit = context_limit(target)
+    if limit is not None and len(prompt) >= limit:
+        raise ValueError(f"prompt has {len(prompt)} tokens; the model's context limit is "
+                         f"{limit} (max_position_embeddings), leaving no room to generate")
+    use_drafter = drafter is not None and speculative is not False
+    if speculative is True and drafter is None:
+        raise ValueError("speculative=True needs a drafter")
+    stats = stats if stats is not None else Stats()
+    stats.tested_by_position = [0] * num_draft
+    stats.accepted_by_position = [0] * num_draft
+    stats.prompt_tokens = len(prompt)
+    session = session if session is not None else Session(target, drafter if use_drafter else None)
+    stops = set(stop_tokens)
+    control = Controller(num_draft, forced=None if speculative == "auto" else bool(speculative))
+    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def next_key():
+        nonlocal key
+        key, sub = mx.random.split(key)
+        return sub
+
+    if max_tokens <= 0:
+        stats.finish_reason = "length"
+        return
+    t0 = time.perf_counter()
+    token = pick(prefill(session, prompt, tap=use_drafter), sampler, next_key())
+    stats.t_prefill = time.perf_counter() - t0
+    stats.generated = 1
+    yield token
+    while True:
+        if token in stops:
+            stats.finish_reason = "stop"
+            return
+        room = max_tokens - stats.generated
+        if limit is not None:
+            room = min(room, limit - len(session.tokens) - 1)
+        if room <= 0:
+            stats.finish_reason = "length"
+            return
+        n = min(num_draft, room - 1)
+        if use_drafter and n >= 1 and control.speculate_next():
+            out = _round(session, token, n, sampler, next_key, stops, stats, control)
+        else:
+            t0 = time.perf_counter()
+            out = [serial_step(session, token, sampler, next_key(), tap=use_drafter)]
+            dt = time.perf_counter() - t0
+            stats.t_serial += dt
+            stats.serial_steps += 1
+            control.observe_serial(dt)
+        stats.switches = control.switches
+        stats.predicted_speedup = control.predicted_speedup()
+        stats.mode = "speculative" if use_drafter and control.speculating else "serial"
+        for token in out:
+            stats.generated += 1
+            yield token
+
+
+def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[int]:
+    """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
+    t0 = time.perf_counter()
+    drafts, draft_logits = draft(session, bonus, n, sampler, next_key())
+    t1 = time.perf_counter()
+    target_logits, taps = verify(session, bonus, drafts)
+    t2 = time.perf_counter()
+    a, nxt = accept(drafts, draft_logits, target_logits, sampler, next_key())
+    out = drafts[:a] + [nxt]
+    # A stop token among the accepted drafts ends the run there; like serial decoding, the
+    # stop token is emitted but never fed to the target.
+    stop_at = next((i for i, t in enumerate(out) if t in stops), len(out) - 1)
+    out = out[:stop_at + 1]
+    t3 = time.perf_counter()
+    commit(session, bonus, drafts, taps, keep=len(out))
+    t4 = time.perf_counter()
+    stats.rounds += 1
+    stats.drafted += n
+    stats.accepted += a
+    for i in range(min(a + 1, n)):
+        stats.tested_by_position[i] += 1
+        stats.accepted_by_position[i] += i < a
+    stats.t_draft += t1 - t0
+    stats.t_verify += t2 - t1
+    stats.t_rollback += t4 - t3
+    stats.t_round += t4 - t0
+    control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
+    return out
+
+
+def _arrays(cache):
+    """Every array held by a target cache (to evaluate pending rollback work)."""
+    if isinstance(cache, mx.array):
+        return [cache]
+    if isinstance(cache, (list, tuple)):
+        return [x for c in cache for x in _arrays(c)]
+    if isinstance(cache, dict):
+        return [x for c in cache.values() for x in _arrays(c)]
+    if hasattr(cache, "__dict__"):
+        return [x for c in vars(cache).values() for x in _arrays(c)]
+    return []

@@ -1,0 +1,35 @@
+"""The tokenizer of a converted checkpoint: loading, prompt encoding, streaming decoding.
+
+Loaded through mlx-lm's ``TokenizerWrapper`` (a transformers ``AutoTokenizer`` plus the
+streaming detokenizer that fits its decoder), so the chat template and the eos ids come from the
+checkpoint's own ``tokenizer_config.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
+
+
+def load_tokenizer(path) -> TokenizerWrapper:
+    path = Path(path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                              "tokenizer_config.json")):
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model "
+                                f"or tokenizer_config.json)")
+    try:
+        return _load(path)
+    except Exception as e:  # transformers raises many kinds; name the directory once
+        raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
+
+
+def encode(tokenizer, prompt, chat: bool = False) -> list[int]:
+    """Token ids for a prompt: a string, or a list of chat messages (dicts with role and
+    content). ``chat=True`` wraps a string as one user message; chat prompts go through the
+    checkpoint's chat template with the generation prompt appended."""
+    if isinstance(prompt, str) and not chat:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

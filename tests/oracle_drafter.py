@@ -1,0 +1,64 @@
+"""TEST-ONLY drafter with a chosen acceptance rate (never shipped, never used by the API).
+
+It knows the target's greedy continuation in advance (``reference``: the prompt followed by
+the serial greedy output of the same target), and at each drafted position proposes the
+reference token with probability ``acceptance`` (a float, or a function of the drafted
+position for content that changes), otherwise a different token. Under greedy verification
+the conditional acceptance at every position is therefore ``acceptance`` exactly in
+expectation, which is what the controller tests and the loop benchmark need.
+
+It implements the real drafter's API (``target_layer_ids``, ``reset``, ``add_context``,
+``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
+proposals thrown away, so a round costs what a real drafter's round costs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+class OracleDrafter:
+    def __init__(self, reference, vocab_size: int, acceptance=1.0, target_layer_ids=(0,),
+                 inner=None, seed: int = 0):
+        self.reference = list(reference)
+        self.vocab_size = vocab_size
+        self.acceptance = acceptance if callable(acceptance) else (lambda pos: acceptance)
+        self.inner = inner
+        self.seed = seed
+        self._ids = list(inner.target_layer_ids) if inner is not None else list(target_layer_ids)
+        self.reset()
+
+    @property
+    def target_layer_ids(self):
+        return self._ids
+
+    def reset(self):
+        self.length = 0
+        self.rng = np.random.default_rng(self.seed)
+        if self.inner is not None:
+            self.inner.reset()
+
+    def add_context(self, taps: mx.array, start_pos: int):
+        if start_pos != self.length:
+            raise ValueError(f"add_context at {start_pos}, but {self.length} tokens held")
+        self.length = start_pos + taps.shape[0]
+        if self.inner is not None:
+            self.inner.add_context(taps, start_pos)
+
+    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, key=None):
+        if self.inner is not None:
+            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, key))
+        tokens = []
+        for j in range(1, n + 1):
+            pos = self.length + j
+            right = self.reference[pos] if pos < len(self.reference) else 0
+            if self.rng.random() < self.acceptance(pos):
+                tokens.append(right)
+            else:
+                tokens.append((right + 1 + int(self.rng.integers(self.vocab_size - 1)))
+                              % self.vocab_size)
+        # The draft distribution is a point mass on each proposal (any warping keeps it so).
+        logits = mx.full((n, self.vocab_size), -1e9, dtype=mx.float32)
+        logits[mx.arange(n), mx.array(tokens)] = 0.0
+        return mx.array(tokens, dtype=mx.int32), logits
