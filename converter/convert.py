@@ -100,6 +100,7 @@ def convert(src: str, out: str | Path, *, revision: str | None = None,
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)                             # mkdtemp's 0700 is for the partial state only
     pool, stop = ThreadPoolExecutor(1), threading.Event()
     reader = SourceReader()
     try:

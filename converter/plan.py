@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConversionError
@@ -156,7 +156,8 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
     tensors = load_source_tensors(src)
     kind = detect_kind(config, tensors, config_path)
     if kind == DRAFTER and tensors and all(n.startswith("model.") for n in tensors):
-        tensors = {n[len("model."):]: t for n, t in tensors.items()}   # NVIDIA's names have no prefix
+        # NVIDIA's drafter names have no "model." prefix; some exports wrap the tree in one.
+        tensors = {n[6:]: replace(t, name=n[6:]) for n, t in tensors.items()}
 
     for name, t in tensors.items():
         if _EXTRAS.search(name):
