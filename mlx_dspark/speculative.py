@@ -47,6 +47,7 @@ class Stats:
     (bonus included, = mean_accepted + 1 before any stop)."""
 
     prompt_tokens: int = 0
+    reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
     generated: int = 0
     rounds: int = 0
     serial_steps: int = 0
@@ -72,6 +73,7 @@ class Stats:
             "mode": self.mode,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated,
             "rounds": self.rounds,
             "serial_steps": self.serial_steps,
@@ -95,7 +97,8 @@ class Stats:
             # the first token comes from the prefill; decode speed counts the rest
             "tokens_per_s": (self.generated - 1) / decode if decode > 0 and self.generated > 1
             else 0.0,
-            "prompt_tokens_per_s": self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0,
+            "prompt_tokens_per_s": (self.prompt_tokens - self.reused_tokens) / self.t_prefill
+            if self.t_prefill else 0.0,
         }
 
 
@@ -151,10 +154,15 @@ def context_limit(target) -> int | None:
 # The steps
 
 
+def _shared_prefix(session: Session, prompt: list[int]) -> int:
+    """How many prompt tokens the session already holds (all of its tokens, or none)."""
+    n = len(session.tokens)
+    return n if n < len(prompt) and prompt[:n] == session.tokens else 0
+
+
 def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
     """Feed the prompt (or the part the session has not seen) and return the last logits."""
-    if session.tokens and (len(prompt) <= len(session.tokens)
-                           or prompt[:len(session.tokens)] != session.tokens):
+    if session.tokens and not _shared_prefix(session, prompt):
         session.reset()
     new = prompt[len(session.tokens):]
     logits, taps = session.target.step(mx.array([new]), session.cache,
@@ -234,14 +242,16 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt has {len(prompt)} tokens; the model's context limit is "
                          f"{limit} (max_position_embeddings), leaving no room to generate")
-    use_drafter = drafter is not None and speculative is not False
     if speculative is True and drafter is None:
         raise ValueError("speculative=True needs a drafter")
     stats = stats if stats is not None else Stats()
     stats.tested_by_position = [0] * num_draft
     stats.accepted_by_position = [0] * num_draft
     stats.prompt_tokens = len(prompt)
-    session = session if session is not None else Session(target, drafter if use_drafter else None)
+    if session is None:
+        session = Session(target, drafter if speculative is not False else None)
+    tap = session.drafter is not None        # a session with a drafter keeps its context whole
+    use_drafter = tap and speculative is not False
     stops = set(stop_tokens)
     control = Controller(num_draft, forced=None if speculative == "auto" else bool(speculative))
     key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
@@ -255,7 +265,8 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    token = pick(prefill(session, prompt, tap=use_drafter), sampler, next_key())
+    stats.reused_tokens = _shared_prefix(session, prompt)
+    token = pick(prefill(session, prompt, tap=tap), sampler, next_key())
     stats.t_prefill = time.perf_counter() - t0
     stats.generated = 1
     yield token
@@ -274,7 +285,7 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
             out = _round(session, token, n, sampler, next_key, stops, stats, control)
         else:
             t0 = time.perf_counter()
-            out = [serial_step(session, token, sampler, next_key(), tap=use_drafter)]
+            out = [serial_step(session, token, sampler, next_key(), tap=tap)]
             dt = time.perf_counter() - t0
             stats.t_serial += dt
             stats.serial_steps += 1
