@@ -20,6 +20,7 @@ the checkpoint file, read again by an independent parser, and refuses to run on 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -216,6 +217,31 @@ def _checkpoint_files(path: str) -> list[str]:
     if not files:
         raise DrafterError(f"{path}: no model*.safetensors files")
     return files
+
+
+def check_receipt(path: str):
+    """When the converter's receipt is present, the model files must still hash to what it
+    recorded: a flipped byte in a tensor is otherwise invisible (the gate compares the loaded
+    model with the file, not the file with the conversion)."""
+    receipt = os.path.join(path, "MERERUN_CONVERSION.json")
+    if not os.path.exists(receipt):
+        return
+    try:
+        with open(receipt) as fh:
+            outputs = json.load(fh)["outputs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DrafterError(f"{receipt}: unreadable conversion receipt ({e})") from None
+    for f in _checkpoint_files(path):
+        want = outputs.get(os.path.basename(f), {}).get("sha256")
+        if want is None:
+            raise DrafterError(f"{f}: not listed in the conversion receipt {receipt}")
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+        if h.hexdigest() != want:
+            raise DrafterError(f"{f}: sha256 {h.hexdigest()} differs from the conversion receipt "
+                               f"({want}): the file changed after conversion")
 
 
 def read_weights(path: str) -> tuple[dict, dict]:
@@ -671,6 +697,7 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
     if dtype is None:
         dtype = getattr(target, "dtype", None) or mx.float32
 
+    check_receipt(path)
     weights, origin = read_weights(path)
     check_tensors(cfg, weights, origin, path, quant.get("modules") or {})
     share = (not cfg.has_embed_tokens

@@ -1,0 +1,167 @@
+"""The drafter against the float64 reference (tests/reference_drafter.py) on the committed tiny
+checkpoint (tests/fixtures/drafter/): greedy and sampled proposals, the Markov-corrected
+logits, contexts shorter and longer than the sliding window (5 keys), sinks far from zero,
+embedding sharing, and O(window) memory."""
+
+import os
+import shutil
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "drafter"))
+import tiny  # noqa: E402
+from reference_drafter import ReferenceDrafter, read_safetensors  # noqa: E402
+
+from mlx_dspark.drafter import load_drafter  # noqa: E402
+from mlx_dspark.sampling import warp  # noqa: E402
+
+# Measured max |z - z_ref| / max |z_ref| over N = 1..7 and contexts 0..20 tokens:
+# fp32 8.1e-7 (packed NVFP4 matmul) and 7.0e-7 (NVFP4 decoded at load); bf16 2.3e-2.
+FP32_TOL = 1e-5
+BF16_TOL = 6e-2
+TAPS = np.random.default_rng(0).standard_normal((24, tiny.HIDDEN * len(tiny.TAPS)))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    t = read_safetensors(tiny.TARGET)
+    return ReferenceDrafter(tiny.DRAFTER, t["embed.weight"], t["lm_head.weight"])
+
+
+@pytest.fixture(scope="module", params=["quantized", "dequantized"])
+def drafter(request):
+    return load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32, nvfp4=request.param)
+
+
+def feed(d, P, chunks=(3, 1, 1, 4, 2)):
+    """Commit TAPS[:P] in uneven chunks, as prefill and rounds would."""
+    d.reset()
+    pos, i = 0, 0
+    while pos < P:
+        t = min(chunks[i % len(chunks)], P - pos)
+        d.add_context(mx.array(TAPS[pos:pos + t].astype(np.float32)), pos)
+        pos, i = pos + t, i + 1
+
+
+def rel_err(z, ref_z):
+    return float(np.abs(np.array(z) - ref_z).max() / np.abs(ref_z).max())
+
+
+@pytest.mark.parametrize("P", [0, 3, 4, 13, 24])  # window 5: below, at, and well past it
+def test_greedy_proposals_and_markov_logits_match_float64_reference(drafter, ref, P):
+    feed(drafter, P)
+    for n in range(1, 8):
+        bonus = (17 * n + P) % tiny.VOCAB
+        tokens, z = drafter.propose(bonus, n)
+        want_tokens, want_z = ref.propose(TAPS[:P], bonus, n)
+        assert tokens.shape == (n,) and z.shape == (n, tiny.VOCAB) and z.dtype == mx.float32
+        assert np.array(tokens).tolist() == want_tokens.tolist(), (P, n)
+        assert rel_err(z, want_z) < FP32_TOL, (P, n)
+
+
+def test_shorter_block_is_the_longer_block_truncated(drafter):
+    """The block is causal, so drafting N tokens is the first N rows of drafting 7."""
+    feed(drafter, 13)
+    t7, z7 = drafter.propose(42, 7)
+    for n in (1, 3, 6):
+        t, z = drafter.propose(42, n)
+        assert np.array_equal(np.array(t), np.array(t7[:n]))
+        assert np.abs(np.array(z) - np.array(z7[:n])).max() < 1e-5
+
+
+def test_sampled_tokens_come_from_the_returned_logits(drafter, ref):
+    feed(drafter, 9)
+    seen = set()
+    for seed in range(4):
+        tokens, z = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40,
+                                    key=mx.random.key(seed))
+        # each z_j is the Markov correction for the token actually drawn before it
+        _, want_z = ref.propose(TAPS[:9], 3, 5, tokens=np.array(tokens))
+        assert rel_err(z, want_z) < FP32_TOL
+        probs = np.array(warp(z, 0.9, 0.95, 40))
+        assert (probs[np.arange(5), np.array(tokens)] > 0).all()
+        again, _ = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40,
+                                   key=mx.random.key(seed))
+        assert np.array_equal(np.array(again), np.array(tokens))  # same key, same draw
+        seen.add(tuple(np.array(tokens).tolist()))
+    assert len(seen) > 1
+
+
+def test_sinks_far_from_zero_are_applied():
+    """Zeroing the fixture's sinks (±3..9.5) must move the logits: they enter every head."""
+    d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)
+    feed(d, 8)
+    _, z = d.propose(5, 3)
+    for layer in d.layers:
+        layer.self_attn.attention_sink_bias = mx.zeros_like(layer.self_attn.attention_sink_bias)
+    _, z0 = d.propose(5, 3)
+    assert np.abs(np.array(z) - np.array(z0)).max() > 1e-2
+
+
+def test_bfloat16_drafter_stays_close_to_reference(ref):
+    d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(dtype=mx.bfloat16), dtype=mx.bfloat16)
+    feed(d, 13)
+    _, z = d.propose(11, 7)
+    _, want_z = ref.propose(TAPS[:13], 11, 7)
+    assert rel_err(z, want_z) < BF16_TOL
+
+
+def test_embedding_is_borrowed_from_the_target_when_bit_identical():
+    d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)
+    assert "embed_tokens" not in d  # the fixture's embed_tokens is a copy of the target's
+    assert d.gate_report == "46/46 tensors match"
+
+
+def test_own_embedding_is_kept_and_used_when_it_differs(tmp_path, ref):
+    path = tmp_path / "drafter"
+    shutil.copytree(tiny.DRAFTER, path)
+    w = mx.load(str(path / "model.safetensors"))
+    e = w["embed_tokens.weight"]
+    w["embed_tokens.weight"] = mx.concatenate([e[:tiny.MASK_ID], -e[tiny.MASK_ID:]])
+    mx.save_safetensors(str(path / "model.safetensors"), w)
+    d = load_drafter(str(path), tiny.ArrayTarget(), dtype=mx.float32)
+    assert "embed_tokens" in d
+    assert d.gate_report == "46/46 tensors match"
+    t = read_safetensors(tiny.TARGET)
+    own = ReferenceDrafter(str(path), t["embed.weight"], t["lm_head.weight"])
+    feed(d, 6)
+    tokens, z = d.propose(200, 4)
+    want_tokens, want_z = own.propose(TAPS[:6], 200, 4)
+    assert np.array(tokens).tolist() == want_tokens.tolist()
+    assert rel_err(z, want_z) < FP32_TOL
+    # and it is not what the target's embedding would give
+    assert np.abs(want_z - ref.propose(TAPS[:6], 200, 4)[1]).max() > 1e-2
+
+
+def test_context_memory_stays_flat_past_the_window():
+    d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)
+    sizes, active = [], []
+    taps = mx.array(np.tile(TAPS.astype(np.float32), (10, 1)))  # 240 tokens
+    for p in range(taps.shape[0]):
+        d.add_context(taps[p:p + 1], p)
+        tokens, z = d.propose(1, 3)
+        mx.eval(tokens, z)
+        sizes.append(d.cache_nbytes)
+        active.append(mx.get_active_memory())
+    per_token = d.cache_nbytes // (tiny.WINDOW - 1)
+    assert sizes[tiny.WINDOW - 2] == sizes[-1] == per_token * (tiny.WINDOW - 1)
+    assert sizes[1] == 2 * per_token  # below the window, it grows with the context
+    assert max(active[50:]) - min(active[50:]) < 64 * 1024  # no growth over 190 more tokens
+
+
+def test_contexts_must_be_contiguous_and_blocks_fit_block_size():
+    d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)
+    d.add_context(mx.array(TAPS[:4].astype(np.float32)), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        d.add_context(mx.array(TAPS[5:6].astype(np.float32)), 5)
+    with pytest.raises(ValueError, match=r"taps must be \[T, 192\]"):
+        d.add_context(mx.array(TAPS[4:5, :64].astype(np.float32)), 4)
+    for n in (0, tiny.BLOCK):
+        with pytest.raises(ValueError, match="1..7"):
+            d.propose(1, n)
+    assert d.target_layer_ids == tiny.TAPS
+    d.reset()
+    assert d.length == 0 and d.cache_nbytes == 0
