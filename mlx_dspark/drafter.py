@@ -306,11 +306,13 @@ def check_tensors(cfg: DrafterConfig, weights: dict, origin: dict, path: str, de
             raise DrafterError(f"{where(name)}: tensor {name} is {w.dtype} {tuple(w.shape)}, "
                                f"expected a float tensor of shape {shape}")
     for prefix, (out, inp) in _expected_linears(cfg).items():
-        fmt = module_format(weights, prefix)
-        if declared.get(prefix, fmt if fmt != "dense" else "bf16") not in (
-                fmt, *(("bf16", "float16", "float32") if fmt == "dense" else ())):
-            raise DrafterError(f"{path}: config.json declares {prefix} as {declared[prefix]!r} "
-                               f"but the tensors are {fmt}")
+        # The converter's declaration wins (so a lost scale tensor reads as missing, not as
+        # a dense layer); undeclared modules go by the tensors present.
+        fmt = declared.get(prefix, module_format(weights, prefix))
+        fmt = {"bf16": "dense", "float16": "dense", "float32": "dense"}.get(fmt, fmt)
+        if fmt not in ("nvfp4", "fp8", "dense"):
+            raise DrafterError(f"{path}: config.json declares {prefix} as {fmt!r} "
+                               "(expected nvfp4, fp8, bf16, float16 or float32)")
         if fmt == "nvfp4":
             want = {".weight": (mx.uint32, (out, inp // 8)),
                     ".scales": (mx.uint8, (out, inp // GROUP_SIZE)),
@@ -608,24 +610,30 @@ def weight_gate(drafter: Drafter, path: str) -> str:
     params = dict(tree_flatten(drafter.parameters()))
     checks = []  # (checkpoint tensors, their values, model parameter)
     used = set()  # model parameters checked by a decoding rule
+    absent = []  # model parameters with no counterpart in the checkpoint
     for prefix, m in drafter.named_modules():
         if not isinstance(m, ScaledLinear):
             continue
-        if f"{prefix}.scales" in stored:  # NVFP4 decoded at load (e2m1 x e4m3, scale = ws2)
-            names = [f"{prefix}.weight", f"{prefix}.scales"]
-            want = _decode_nvfp4(stored[names[0]][2], stored[names[1]][2])
-            scale = f"{prefix}.weight_scale_2"
-        else:  # FP8 decoded at load
-            names = [f"{prefix}.weight"]
-            want = _e4m3_values()[stored[names[0]][2]]
-            scale = f"{prefix}.weight_scale"
+        used |= {f"{prefix}.weight", f"{prefix}.scale"}
+        # NVFP4 decoded at load (weight = e2m1 x e4m3, scale = ws2), or FP8 decoded at load
+        nvfp4 = f"{prefix}.scales" in stored
+        names = [f"{prefix}.weight", f"{prefix}.scales"] if nvfp4 else [f"{prefix}.weight"]
+        scale = f"{prefix}.weight_scale_2" if nvfp4 else f"{prefix}.weight_scale"
+        if any(n not in stored for n in (*names, scale)):
+            absent.append(prefix)
+            continue
+        codes = stored[names[0]][2]
+        want = _decode_nvfp4(codes, stored[names[1]][2]) if nvfp4 else _e4m3_values()[codes]
         checks.append((names, want, m.weight))
         checks.append(([scale], _decode(*stored[scale][1:]), m.scale))
-        used |= {f"{prefix}.weight", f"{prefix}.scale"}
     for name, p in params.items():
-        if name not in used and name in stored:
-            f, st_dtype, arr = stored[name]
-            checks.append(([name], _decode(st_dtype, arr) if p.dtype in _FLOATS else arr, p))
+        if name in used:
+            continue
+        if name not in stored:
+            absent.append(name)
+            continue
+        f, st_dtype, arr = stored[name]
+        checks.append(([name], _decode(st_dtype, arr) if p.dtype in _FLOATS else arr, p))
     if "embed_tokens.weight" in stored and "embed_tokens.weight" not in params:
         # Shared with the target: what the target's embedding returns must be the file's.
         f, st_dtype, arr = stored["embed_tokens.weight"]
@@ -639,12 +647,13 @@ def weight_gate(drafter: Drafter, path: str) -> str:
         else:
             bad.append(f"{'+'.join(names)} ({stored[names[0]][0]}): loaded values differ from the file")
     bad += [f"{n} ({stored[n][0]}): not loaded into the drafter" for n in sorted(set(stored) - seen)]
+    bad += [f"{n}: in the drafter but not in the checkpoint" for n in absent]
+    if matched == 0:
+        raise DrafterError(f"{path}: weight-load gate refused the drafter: no tensor could be "
+                           f"compared with the checkpoint ({len(bad)} problem(s))")
     if bad:
         raise DrafterError(f"{path}: weight-load gate refused the drafter: {len(bad)} problem(s): "
                            + "; ".join(bad[:5]))
-    if matched == 0:
-        raise DrafterError(f"{path}: weight-load gate refused the drafter: no tensor could be "
-                           "compared with the checkpoint")
     return f"{matched}/{len(stored)} tensors match"
 
 
