@@ -86,6 +86,7 @@ def accept_sampled(drafts: list[int], p: mx.array, q: mx.array, key) -> tuple[in
     accepted = u * q_d < p_d                       # u < p/q without dividing by q
     rows = mx.concatenate([residual(p[:n], q), p[n:]], axis=0)
     next_tokens = draw(rows, key=k_draw)
+    mx.eval(accepted, next_tokens)
     accepted, next_tokens = accepted.tolist(), next_tokens.tolist()
     a = 0
     while a < n and accepted[a]:
