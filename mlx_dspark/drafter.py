@@ -612,7 +612,8 @@ def weight_gate(drafter: Drafter, path: str) -> str:
     used = set()  # model parameters checked by a decoding rule
     absent = []  # model parameters with no counterpart in the checkpoint
     for prefix, m in drafter.named_modules():
-        if not isinstance(m, ScaledLinear):
+        # the borrowed target (``_target``) is a child module in MLX but not the drafter's
+        if not isinstance(m, ScaledLinear) or prefix.startswith("_target"):
             continue
         used |= {f"{prefix}.weight", f"{prefix}.scale"}
         # NVFP4 decoded at load (weight = e2m1 x e4m3, scale = ws2), or FP8 decoded at load
