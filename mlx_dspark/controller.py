@@ -15,12 +15,16 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   resets the interval to ``PROBE_MIN``.
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
-Acceptance estimates are decayed counts with a Laplace prior: each time position i is
-*tested* (all earlier drafts accepted) ``tested_i = DECAY * tested_i + 1`` and
-``accepted_i = DECAY * accepted_i + [accepted]``; ``alpha_i = (accepted_i + 1/2) / (tested_i + 1)``
-(a prior worth one test, so one round moves the estimate a lot and a useless drafter's
-estimate sinks to ~0.05). Positions never tested keep the prior 1/2. Costs are exponential moving averages (weight
-``COST_EMA``) seeded by their first measurement."""
+Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
+accepted) ``tested_i += 1`` and ``accepted_i += [accepted]``, and all counts are multiplied by
+``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + 1/2) /
+(tested_i + 1)``: a prior worth one test, so positions never tested count as 1/2 and a useless
+drafter's estimate sinks to ~0.02. Ageing by tokens (not by tests) matters: after a long
+serial stretch the old evidence has faded, so a single probe decides on what the content is
+*now*, which is what lets a change of content switch speculation back on.
+
+Costs are the median of the last ``COST_WINDOW`` measurements of each kind: wall times on a
+shared machine have one-sided spikes (another process, a page fault) that a mean would chase."""
 
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from dataclasses import dataclass, field
 
 ON = 1.05         # switch speculation on above this predicted speedup
 OFF = 1.0         # switch it off below this one
-DECAY = 0.9       # acceptance memory: ~10 tests per position
-COST_EMA = 0.2    # weight of a new wall-time measurement
+DECAY = 0.97      # acceptance memory per generated token: ~33 tokens
+COST_WINDOW = 9   # cost = median of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 REFRESH = 32      # speculative rounds between serial cost refreshes
@@ -47,8 +51,8 @@ class Controller:
     speculating: bool = True
     switches: int = 0
     probe_every: int = PROBE_MIN
-    t_serial: float | None = None
-    t_round: float | None = None
+    serial_times: list[float] = field(default_factory=list)
+    round_times: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
@@ -70,6 +74,14 @@ class Controller:
             e += run
         return e
 
+    @property
+    def t_serial(self) -> float | None:
+        return _median(self.serial_times)
+
+    @property
+    def t_round(self) -> float | None:
+        return _median(self.round_times)
+
     def predicted_speedup(self) -> float | None:
         if self.t_serial is None or self.t_round is None:
             return None
@@ -90,7 +102,8 @@ class Controller:
     # -- observations ------------------------------------------------------------------------
 
     def observe_serial(self, seconds: float):
-        self.t_serial = _ema(self.t_serial, seconds)
+        self._age(1)
+        _push(self.serial_times, seconds)
         if self.speculating:
             self._since = 0                            # that was a refresh
         else:
@@ -103,11 +116,12 @@ class Controller:
 
         Rounds with fewer drafts than ``num_draft`` (the last round before max_tokens) count
         for acceptance but not for cost."""
+        self._age(num_accepted + 1)
         for i in range(num_tested):
-            self.tested[i] = DECAY * self.tested[i] + 1.0
-            self.accepted[i] = DECAY * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+            self.tested[i] += 1.0
+            self.accepted[i] += 1.0 if i < num_accepted else 0.0
         if num_drafted == self.num_draft:
-            self.t_round = _ema(self.t_round, seconds)
+            _push(self.round_times, seconds)
         if self.forced is not None:
             return
         if self.speculating:
@@ -124,11 +138,21 @@ class Controller:
             else:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
 
+    def _age(self, tokens: int):
+        f = DECAY ** tokens
+        self.tested = [f * t for t in self.tested]
+        self.accepted = [f * a for a in self.accepted]
+
     def _switch(self, on: bool):
         self.speculating = on
         self.switches += 1
         self._since = 0
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1.0 - COST_EMA) * old + COST_EMA * new
+def _push(times: list, seconds: float):
+    times.append(seconds)
+    del times[:-COST_WINDOW]
+
+
+def _median(times: list) -> float | None:
+    return sorted(times)[len(times) // 2] if times else None

@@ -1,0 +1,112 @@
+"""The break-even controller: its policy on simulated costs and acceptance (exact, no clock),
+then "auto" on the real loop with a useless drafter and with the oracle drafter."""
+
+import numpy as np
+
+from loop_helpers import random_drafter, serial_greedy, tiny_target
+from mlx_dspark import controller as C
+from mlx_dspark.speculative import Stats, decode
+from oracle_drafter import OracleDrafter
+
+
+def simulate(steps, alpha, t_serial=1.0, t_round=1.5, n=3, seed=0):
+    """Run the controller for ``steps`` decisions; ``alpha(step)`` is the true conditional
+    acceptance. Returns the controller and, per step, whether it speculated."""
+    rng = np.random.default_rng(seed)
+    c, kinds = C.Controller(n), []
+    for i in range(steps):
+        spec = c.speculate_next()
+        kinds.append(spec)
+        if spec:
+            a = 0
+            while a < n and rng.random() < alpha(i):
+                a += 1
+            c.observe_round(t_round, n, num_tested=min(a + 1, n), num_accepted=a)
+        else:
+            c.observe_serial(t_serial)
+    return c, np.array(kinds)
+
+
+def test_a_useless_drafter_ends_serial_and_probes_ever_more_rarely():
+    c, kinds = simulate(2000, lambda i: 0.0)
+    assert not c.speculating
+    assert kinds[-1000:].sum() <= 1000 // C.PROBE_MAX + 1
+    # the probes' extra cost over pure serial decoding: a few percent at most
+    extra = kinds.sum() * (1.5 - 1.0) / 2000
+    assert extra < 0.02
+
+
+def test_a_good_drafter_keeps_speculating_apart_from_cost_refreshes():
+    c, kinds = simulate(1000, lambda i: 0.8)
+    assert c.speculating and c.switches == 0
+    assert kinds.mean() > 1 - 2 / C.REFRESH
+
+
+def test_acceptance_worth_less_than_the_round_cost_is_not_speculated():
+    # alpha 0.3 at N=3: E = 1.42 tokens per round, rounds cost 1.5 steps -> serial wins
+    c, _ = simulate(1000, lambda i: 0.3)
+    assert not c.speculating
+
+
+def test_content_change_switches_speculation_back_on_and_off():
+    c, kinds = simulate(1200, lambda i: 0.0 if i < 400 else 0.9)
+    assert not kinds[300:400].any() or kinds[300:400].mean() < 0.05
+    assert c.speculating and kinds[-200:].mean() > 0.9
+    assert c.switches >= 2
+    on_at = 400 + int(np.argmax(kinds[400:] & np.roll(kinds[400:], -1)))
+    assert on_at < 400 + C.PROBE_MAX + 8          # found by the next probe
+    c2, kinds2 = simulate(800, lambda i: 0.9 if i < 400 else 0.0)
+    assert not c2.speculating and kinds2[-200:].mean() < 0.05
+
+
+def test_hysteresis_holds_the_mode_between_the_thresholds():
+    c = C.Controller(3)
+    c.serial_times, c.round_times = [1.0], [1.0]
+    c.tested, c.accepted = [100.0] * 3, [0.0] * 3
+    c.accepted[0] = 2.0                            # alpha_1 ~ 0.025: E ~ 1.03 tokens per round
+    assert C.OFF < c.predicted_speedup() < C.ON
+    c.observe_round(1.0, 3, 1, 0)                  # speculating: stays on
+    assert c.speculating
+    c.speculating = False
+    c.observe_round(1.0, 3, 1, 0)                  # a probe: does not switch on
+    assert not c.speculating
+
+
+def test_forced_modes_ignore_the_estimates():
+    for forced in (True, False):
+        c = C.Controller(3, forced=forced)
+        for _ in range(20):
+            c.observe_round(10.0, 3, 1, 0)
+            c.observe_serial(1.0)
+            assert c.speculate_next() is forced
+
+
+# --- on the real loop (tiny fp32 target; decisions come from measured wall times)
+
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def test_auto_with_a_random_weight_drafter_ends_serial():
+    target = tiny_target(seed=2)
+    stats = Stats()
+    out = list(decode(target, random_drafter(target), PROMPT, max_tokens=120, stats=stats))
+    assert out == serial_greedy(target, PROMPT, 120)
+    assert stats.mode == "serial" and stats.rounds <= 6
+
+
+def test_auto_with_an_oracle_drafter_speculates_and_follows_a_content_change():
+    target = tiny_target(seed=2)
+    ref = serial_greedy(target, PROMPT, 200)
+    good = Stats()
+    list(decode(target, OracleDrafter(PROMPT + ref, 97, 0.95), PROMPT, max_tokens=200,
+                stats=good))
+    assert good.mode == "speculative"
+    assert good.rounds > 3 * good.serial_steps
+    # useless for the first 60 tokens, then excellent: auto must turn speculation back on
+    change = len(PROMPT) + 60
+    drafter = OracleDrafter(PROMPT + ref, 97, lambda pos: 0.0 if pos < change else 0.95)
+    stats = Stats()
+    out = list(decode(target, drafter, PROMPT, max_tokens=200, stats=stats))
+    assert out == ref
+    assert stats.switches >= 2 and stats.mode == "speculative"
