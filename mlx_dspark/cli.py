@@ -13,9 +13,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from mlx_dspark import commands
 from mlx_dspark.converter.errors import ConversionError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConversionError,)
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, commands.CommandError)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ def _convert(args: argparse.Namespace) -> int:
 COMMANDS: list[Command] = [
     Command("convert", "convert a ModelOpt NVFP4/FP8 export to the MLX layout, bit for bit",
             _convert_arguments, _convert),
+    Command("generate", commands.GENERATE_HELP, commands.generate_arguments,
+            commands.run_generate),
+    Command("chat", commands.CHAT_HELP, commands.chat_arguments, commands.run_chat),
+    Command("bench", commands.BENCH_HELP, commands.bench_arguments, commands.run_bench),
 ]
 
 

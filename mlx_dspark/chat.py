@@ -1,0 +1,234 @@
+"""``mlx-dspark chat``: an interactive chat in the terminal.
+
+A turn's prompt is the previous turns' ids exactly as the model saw and produced them, then
+what the chat template writes after the last answer (:class:`Conversation`). So the prompt
+extends what the session holds and only the new tokens are prefilled: the target cache and
+the drafter context carry over between turns (llama.cpp and mlx-lm keep their caches the same
+way). A template that rewrites past answers (some drop past reasoning) would want different
+history tokens; the model sees its own tokens instead, as it did when it wrote them.
+
+Ctrl-C during an answer stops it at the next token and keeps the conversation: the SIGINT
+handler only sets a flag, so no model call is torn in half."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from . import api
+from .commands import format_acceptance, generation_kwargs
+
+HELP = """commands:
+  /reset   forget the conversation (the next prompt is prefilled from scratch)
+  /stats   statistics of the conversation so far
+  /help    this list
+  /quit    leave (so do Ctrl-D and /exit)
+Ctrl-C stops the current answer and keeps the conversation."""
+
+
+def template_options(tokenizer, reasoning: str | None) -> dict:
+    """Chat template variables for ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
+    if reasoning is None:
+        return {}
+    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
+        print("note: this model's chat template has no reasoning switch; --reasoning is ignored",
+              file=sys.stderr)
+        return {}
+    return {"enable_thinking": reasoning == "on"}
+
+
+def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:
+    """Ids and text of ``messages`` through the chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **options)
+    return _encode(tokenizer, text), text
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # templates spell out their own bos; like apply_chat_template, add no special tokens
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class Conversation:
+    """The messages so far, and the ids the model has seen and said for them."""
+
+    # stands for the last answer while the template renders what follows it
+    ANSWER = "\x00mlx-dspark answer\x00"
+
+    def __init__(self, tokenizer, options: dict, system: str | None = None):
+        self.tokenizer, self.options, self.system = tokenizer, options, system
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.ids: list[int] = []
+
+    def prompt(self, user: str) -> list[int]:
+        """Ids of the conversation plus a new user message, ready for the reply: the previous
+        ids, then what the template writes after the last answer (its end-of-turn marker, the
+        new message, the reply header)."""
+        new = {"role": "user", "content": user}
+        if self.ids:
+            probe = self.messages[:-1] + [dict(self.messages[-1], content=self.ANSWER), new]
+            text = self._render(probe)
+            at = text.rfind(self.ANSWER)
+            if at >= 0:
+                return self.ids + _encode(self.tokenizer, text[at + len(self.ANSWER):])
+        return _encode(self.tokenizer, self._render(self.messages + [new]))
+
+    def _render(self, messages) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True, **self.options)
+
+    def add_turn(self, user: str, prompt: list[int], answer_ids: list[int], answer_text: str):
+        self.messages += [{"role": "user", "content": user},
+                          {"role": "assistant", "content": answer_text}]
+        self.ids = prompt + answer_ids
+
+
+class CatchInterrupt:
+    """While active, Ctrl-C (SIGINT) sets ``hit`` instead of raising KeyboardInterrupt."""
+
+    def __enter__(self):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+
+
+def status_line(stats: dict) -> str:
+    """One line after each answer; ``prompt`` counts the tokens prefilled and reused."""
+    prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
+    return (f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, "
+            f"accepted {stats['mean_accepted_per_round']:.2f}/round "
+            f"({format_acceptance(stats)}), prompt {stats['prompt_tokens']} tokens: "
+            f"{prefilled} prefilled, {stats['reused_tokens']} reused, {stats['mode']}, "
+            f"{stats['finish_reason']}]")
+
+
+class Chat:
+    def __init__(self, pair, args):
+        self.pair, self.args = pair, args
+        self.session = pair.session()
+        self.conversation = Conversation(pair.tokenizer,
+                                         template_options(pair.tokenizer, args.reasoning),
+                                         args.system)
+        self.turns: list[dict] = []   # final stats of each answer since the last /reset
+
+    def run(self) -> int:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        model = self.args.model or "the embedded demo pair (a demonstration model, not Nemotron)"
+        drafter = "no drafter" if self.pair.drafter is None else "DSpark drafter"
+        print(f"mlx-dspark chat: {model}, {drafter}, speculative {self.args.speculative}. "
+              f"/help lists the commands, Ctrl-D exits.")
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print("\n(Ctrl-D or /quit exits)")
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+                continue
+            self.answer(line)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False means quit."""
+        name = line.split()[0].lower()
+        if name in ("/quit", "/exit", "/bye"):
+            return False
+        if name == "/reset":
+            self.conversation.reset()
+            self.session.reset()
+            self.turns = []
+            print("(conversation cleared)")
+        elif name == "/stats":
+            print(self.stats_text())
+        elif name in ("/help", "/?"):
+            print(HELP)
+        else:
+            print(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def answer(self, user: str):
+        ids = self.conversation.prompt(user)
+        kwargs = generation_kwargs(self.args)
+        if self.args.seed is not None:     # a different, reproducible draw every turn
+            kwargs["seed"] = self.args.seed + len(self.turns)
+        pieces, tokens, stats = [], [], None
+        stream = api.stream_generate(self.pair, ids, session=self.session, **kwargs)
+        with CatchInterrupt() as interrupt:
+            try:
+                for chunk in stream:
+                    _write(chunk.text)
+                    pieces.append(chunk.text)
+                    stats = chunk.stats
+                    if chunk.token is None:
+                        break
+                    tokens.append(chunk.token)
+                    # Stop once every token the session has fed is shown: a round may have
+                    # committed a few tokens ahead of the stream, and they are already paid for.
+                    if interrupt.hit and len(self.session.tokens) < len(ids) + len(tokens):
+                        stats = dict(stats, finish_reason="interrupted")
+                        break
+            except ValueError as e:   # e.g. the conversation no longer fits the context
+                print(f"error: {' '.join(str(e).split())}")
+                return
+            finally:
+                stream.close()
+        text = "".join(pieces)
+        if stats["finish_reason"] == "interrupted":
+            # the streaming detokenizer may hold back the end of a character: show it now
+            full = self.pair.tokenizer.decode(tokens)
+            if full.startswith(text):
+                _write(full[len(text):])
+                text = full
+        print()
+        print(status_line(stats))
+        self.conversation.add_turn(user, ids, tokens, text)
+        self.turns.append(stats)
+
+    def stats_text(self) -> str:
+        if not self.turns:
+            return "no answers yet"
+        t = self.turns
+        n = len(t[0]["acceptance_by_position"])
+        tested = [sum(s["tested_by_position"][i] for s in t) for i in range(n)]
+        accepted = [sum(round(s["acceptance_by_position"][i] * s["tested_by_position"][i])
+                        for s in t if s["tested_by_position"][i]) for i in range(n)]
+        rounds = sum(s["rounds"] for s in t)
+        decode_time = sum(sum(s["time"][k] for k in ("serial", "draft", "verify", "rollback",
+                                                     "other")) for s in t)
+        decoded = sum(max(s["generated_tokens"] - 1, 0) for s in t)
+        by_pos = " ".join(f"{a / k:.2f}" if k else "-" for a, k in zip(accepted, tested))
+        return "\n".join([
+            f"turns: {len(t)}, context: {len(self.session.tokens)} tokens held by the session",
+            f"prompt tokens: {sum(s['prompt_tokens'] - s['reused_tokens'] for s in t)} "
+            f"prefilled, {sum(s['reused_tokens'] for s in t)} reused",
+            f"generated: {sum(s['generated_tokens'] for s in t)} tokens, "
+            f"{decoded / decode_time if decode_time else 0.0:.1f} tokens/s",
+            f"rounds: {rounds} speculative, {sum(s['serial_steps'] for s in t)} serial, "
+            f"mean accepted per round {sum(accepted) / rounds if rounds else 0.0:.2f}",
+            f"acceptance by position: {by_pos}",
+            f"last answer: {status_line(t[-1])}",
+        ])
+
+
+def _write(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,210 @@
+"""The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat`` and ``bench`` (DESIGN §3).
+
+This module only defines arguments and handlers; MLX, the models and the tokenizer are
+imported inside the handlers, so ``mlx-dspark convert`` and ``--help`` stay quick. Problems a
+user can fix (a missing directory, a drafter for another target, a corrupt checkpoint, a
+prompt that does not fit) raise :class:`CommandError`, which the CLI prints as one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class CommandError(Exception):
+    """A one-line error for the user; the CLI prints it and exits 1."""
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+SPECULATIVE = {"auto": "auto", "on": True, "off": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared arguments and helpers
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR",
+                   help="converted target directory (default: the embedded demo pair, "
+                        "a small demonstration model, not Nemotron)")
+    p.add_argument("--drafter", metavar="DIR",
+                   help="converted DSpark drafter directory (default: the demo drafter "
+                        "without --model, no drafter with --model)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=_positive, default=max_tokens, metavar="N",
+                   help=f"most tokens to generate (default {max_tokens})")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
+                   help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
+                   help="auto: speculate only while it pays (default); on: always; off: never")
+    p.add_argument("--reasoning", choices=("on", "off"),
+                   help="turn the chat template's reasoning on or off, where it has the switch")
+
+
+def _positive(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
+
+
+def load_pair(args: argparse.Namespace):
+    """The pair named by --model/--drafter/--dtype, or the embedded demo pair."""
+    from . import api
+
+    if args.model is None and not (api.DEMO / "target").is_dir():
+        raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
+                           f"missing); pass --model DIR [--drafter DIR]")
+    dtype = None
+    if args.dtype:
+        import mlx.core as mx
+        dtype = getattr(mx, args.dtype)
+    try:
+        pair = api.load(args.model, args.drafter, dtype=dtype)
+    except (OSError, ValueError) as e:   # the loaders name the file and the problem
+        raise CommandError(_one_line(e)) from None
+    if pair.tokenizer is None:
+        raise CommandError(f"{args.model}: no tokenizer")
+    if args.speculative == "on" and pair.drafter is None:
+        raise CommandError("--speculative on needs a drafter (--drafter DIR)")
+    return pair
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
+                speculative=SPECULATIVE[args.speculative])
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def format_acceptance(stats: dict) -> str:
+    return " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
+
+
+def format_stats(stats: dict, requested: str) -> list[str]:
+    """The ``--stats`` summary: one ``name: value`` line each (README "## Commands")."""
+    prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
+    return [
+        f"mode: {stats['mode']} (requested {requested}, {stats['mode_switches']} switches)",
+        f"prompt: {stats['prompt_tokens']} tokens, {prefilled} prefilled, "
+        f"{stats['prompt_tokens_per_s']:.1f} tokens/s",
+        f"generation: {stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s",
+        f"rounds: {stats['rounds']} speculative, {stats['serial_steps']} serial",
+        f"mean accepted per round: {stats['mean_accepted_per_round']:.2f}",
+        f"acceptance by position: {format_acceptance(stats)}",
+        f"finish: {stats['finish_reason']}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+GENERATE_HELP = "generate a completion of one prompt, streamed to standard output"
+
+
+def generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--prompt", "-p", metavar="TEXT",
+                   help="the prompt; without it (or with '-') it is read from standard input")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_sampling_arguments(p, max_tokens=256)
+    p.add_argument("--stats", action="store_true",
+                   help="print a summary to standard error: mode, tokens/s, mean accepted per "
+                        "round, acceptance by position")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            raise CommandError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise CommandError("empty prompt")
+    pair = load_pair(args)
+    from . import api
+    from .chat import encode_chat, template_options
+
+    if args.chat:
+        prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
+                             template_options(pair.tokenizer, args.reasoning))[0]
+    elif args.reasoning:
+        raise CommandError("--reasoning applies to the chat template: add --chat")
+    stats = None
+    try:
+        for chunk in api.stream_generate(pair, prompt, **generation_kwargs(args)):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            stats = chunk.stats
+    except ValueError as e:    # the prompt does not fit the model, a bad sampling value
+        raise CommandError(_one_line(e)) from None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats:
+        print("\n".join(["=========="] + format_stats(stats, args.speculative)),
+              file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+
+
+CHAT_HELP = "chat with the model in the terminal (/help inside lists the commands)"
+
+
+def chat_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_sampling_arguments(p, max_tokens=512)
+    p.add_argument("--system", metavar="TEXT", help="a system message to start with")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    pair = load_pair(args)
+    from .chat import Chat
+
+    if not getattr(pair.tokenizer, "has_chat_template", False):
+        raise CommandError(f"{args.model or 'the demo model'}: the tokenizer has no chat "
+                           f"template; use `mlx-dspark generate` for plain completion")
+    return Chat(pair, args).run()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+BENCH_HELP = "serial vs speculative decoding on built-in code, math and chat prompts"
+
+
+def bench_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--max-tokens", type=_positive, default=64, metavar="N",
+                   help="tokens generated per prompt and mode (default 64)")
+    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
+                   help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--repeats", type=_positive, default=1, metavar="R",
+                   help="runs per prompt and mode; the median is reported (default 1)")
+    p.add_argument("--domains", metavar="LIST",
+                   help="comma-separated subset of the prompt domains (code,math,chat)")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as JSON on standard output (fields: README)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="also draw acceptance by position and speedup per domain (matplotlib)")
+    p.set_defaults(speculative="auto")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from . import benchmark
+    return benchmark.run(args)
