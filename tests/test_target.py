@@ -5,7 +5,9 @@ import json
 
 import mlx.core as mx
 import pytest
-from target_helpers import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config, twin_models
+from target_helpers import (hf_weights_from_mlx_lm, mlx_lm_from_hf_weights,
+                            quantize_like_modelopt, random_mlx_lm_model, tiny_config,
+                            twin_models)
 
 from mlx_dspark.target import SERIAL_MAX, KVCache, MambaCache, TargetConfig, load_target
 
@@ -72,6 +74,41 @@ def test_load_target_reads_an_hf_format_directory(tmp_path, spelling):
     assert ours.config.num_hidden_layers == 6
     toks = _tokens(20)
     assert _rel(ours(toks), ref(toks)) < 2e-6
+
+
+@pytest.mark.parametrize("policy", ["quantized", "dequantized"])
+def test_converted_nvfp4_and_fp8_checkpoint_matches_mlx_lm_on_dequantized_weights(
+        tmp_path, policy):
+    """Every projection NVFP4 (experts stacked, per-expert tensor scales) except the
+    Mamba out_proj in FP8, as the converter lays them out; mlx-lm runs the exact float
+    weights those bytes stand for."""
+    cfg = tiny_config()
+    conv, deq = quantize_like_modelopt(hf_weights_from_mlx_lm(random_mlx_lm_model(cfg),
+                                                              stacked=True))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), conv)
+    modules = {k.rsplit(".", 1)[0]: "nvfp4" for k in conv if k.endswith(".scales")}
+    modules.update({k.rsplit(".", 1)[0]: "fp8" for k in conv if k.endswith(".weight_scale")})
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, quantization={
+        "layout": "mlx-dspark/1", "group_size": 16, "source_quant_algo": "MIXED_PRECISION",
+        "modules": modules})))
+    ours = load_target(str(tmp_path), dtype=mx.float32, nvfp4=policy)
+    ref = mlx_lm_from_hf_weights(cfg, deq)
+    toks = _tokens(30)
+    a, b = ours(toks), ref(toks)
+    assert _rel(a, b) < 5e-6
+    assert (a.argmax(-1) == b.argmax(-1)).all().item()
+
+
+def test_default_dtype_is_bf16_and_close_to_fp32(twins):
+    ours32, ref = twins
+    from mlx_dspark.target import DEFAULT_DTYPE, NemotronH
+    assert DEFAULT_DTYPE == mx.bfloat16
+    cfg = tiny_config()
+    ours16 = NemotronH(TargetConfig.from_dict(cfg), hf_weights_from_mlx_lm(ref, stacked=True))
+    toks = _tokens(20)
+    a = ours16(toks)
+    assert a.dtype == mx.bfloat16
+    assert _rel(a.astype(mx.float32), ours32(toks)) < 5e-2
 
 
 def test_load_target_names_the_missing_tensor(tmp_path):
