@@ -198,6 +198,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs per prompt and mode; the median is reported (default 1)")
     p.add_argument("--domains", metavar="LIST",
                    help="comma-separated subset of the prompt domains (code,math,chat)")
+    p.add_argument("--limit", type=_positive, metavar="N", help="at most N prompts per domain")
     p.add_argument("--json", action="store_true",
                    help="print the results as JSON on standard output (fields: README)")
     p.add_argument("--plot", metavar="PNG",
@@ -206,5 +207,5 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from . import benchmark
-    return benchmark.run(args)
+    from . import bench_cli
+    return bench_cli.run(args)

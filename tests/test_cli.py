@@ -1,0 +1,287 @@
+"""The ``mlx-dspark`` console script's generate, chat and bench commands, driven for real: chat
+through a pseudo-terminal (pexpect), the others as subprocesses, on a fixture pair made by the
+real converter from the committed ModelOpt exports (tests/cli_pair.py). The models are random,
+so these tests check the commands' behaviour and numbers, not the text."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from cli_pair import make_pair
+from mlx_dspark import cli
+
+SCRIPT = str(Path(sys.executable).parent / "mlx-dspark")
+# The fixture target's routed experts are stacked float weights; MLX's CPU gather_mm wants fp32.
+DTYPE = ["--dtype", "float32"]
+STATUS = re.compile(r"\[(\d+) tokens, ([\d.]+) tokens/s, accepted ([\d.]+)/round \(([^)]*)\), "
+                    r"prompt (\d+) tokens: (\d+) prefilled, (\d+) reused, (\w+), (\w+)\]")
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def pair(pair_dirs):
+    target, drafter = pair_dirs
+    return ["--model", str(target), "--drafter", str(drafter), *DTYPE]
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+
+
+def spawn_chat(pair, *extra) -> pexpect.spawn:
+    child = pexpect.spawn(SCRIPT, ["chat", *pair, *extra], encoding="utf-8", timeout=60,
+                          dimensions=(24, 250))
+    child.expect(">>> ")
+    return child
+
+
+def ask(child, text) -> dict:
+    """Send one message and wait for the answer; returns its status line."""
+    child.sendline(text)
+    child.expect(STATUS)
+    answer = _status(child.match)
+    child.expect(">>> ")
+    return answer
+
+
+def _status(m: re.Match) -> dict:
+    g = m.groups()
+    return {"generated": int(g[0]), "tokens_per_s": float(g[1]), "accepted": float(g[2]),
+            "prompt": int(g[4]), "prefilled": int(g[5]), "reused": int(g[6]), "mode": g[7],
+            "finish": g[8]}
+
+
+def quit_with_eof(child):
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
+
+
+def test_chat_second_turn_prefills_only_the_new_message_and_reset_prefills_all(pair):
+    child = spawn_chat(pair, "--max-tokens", "12")
+    child.sendline("/stats")
+    child.expect("no answers yet")
+    child.expect(">>> ")
+    first = ask(child, "What is the capital of France?")
+    assert first["reused"] == 0 and first["prefilled"] == first["prompt"]
+    assert first["generated"] == 12 and first["finish"] == "length"
+
+    second = ask(child, "And of Italy?")
+    # Everything the first turn fed (its prompt and all but the last answer token, which was
+    # emitted, never fed) is reused; only the new message and its template framing are prefilled.
+    assert second["reused"] == first["prompt"] + first["generated"] - 1
+    assert second["prefilled"] == second["prompt"] - second["reused"]
+    assert 0 < second["prefilled"] < len("</s>\n<|user|>\nAnd of Italy?\n<|assistant|>\n") + 16
+
+    child.sendline("/stats")
+    child.expect(r"prompt tokens: (\d+) prefilled, (\d+) reused")
+    assert int(child.match.group(1)) == first["prefilled"] + second["prefilled"]
+    assert int(child.match.group(2)) == second["reused"]
+    child.expect(">>> ")
+
+    child.sendline("/reset")
+    child.expect(r"\(conversation cleared\)")
+    child.expect(">>> ")
+    again = ask(child, "What is the capital of France?")
+    assert again == {**first, "tokens_per_s": again["tokens_per_s"]}   # a fresh start
+
+    child.sendline("/help")
+    for name in ("/reset", "/stats", "/help", "/quit"):
+        child.expect(re.escape(name))
+    child.expect(">>> ")
+    child.sendline("/frobnicate")
+    child.expect(r"unknown command /frobnicate; /help lists the commands")
+    child.expect(">>> ")
+    quit_with_eof(child)
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(pair):
+    # A long answer: the fixture's context (512 positions) would take tens of seconds to fill.
+    child = spawn_chat(pair, "--max-tokens", "100000")
+    child.sendline("Tell me a very long story.")
+    child.expect(r"Tell me a very long story\.\r\n")
+    child.expect(r"\S{6}")                            # the answer is streaming
+    t0 = time.monotonic()
+    child.sendintr()
+    child.expect(STATUS, timeout=10)
+    stopped = _status(child.match)
+    assert time.monotonic() - t0 < 5
+    assert stopped["finish"] == "interrupted" and 6 <= stopped["generated"] < 400
+    child.expect(">>> ")
+
+    # The interrupted answer stays in the conversation, and the session still holds it.
+    child.sendline("Go on.")
+    child.expect(r"Go on\.\r\n")
+    child.expect(r"\S{3}")
+    child.sendintr()
+    child.expect(STATUS, timeout=10)
+    nxt = _status(child.match)
+    assert nxt["reused"] == stopped["prompt"] + stopped["generated"] - 1
+    child.expect(">>> ")
+
+    child.sendintr()                                  # Ctrl-C at the prompt does not quit
+    child.expect(r"Ctrl-D or /quit exits")
+    child.expect(">>> ")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+STATS_LINES = {
+    "mode": r"(serial|speculative) \(requested (auto|on|off), (\d+) switches\)",
+    "prompt": r"(\d+) tokens, (\d+) prefilled, ([\d.]+) tokens/s",
+    "generation": r"(\d+) tokens, ([\d.]+) tokens/s",
+    "rounds": r"(\d+) speculative, (\d+) serial",
+    "mean accepted per round": r"([\d.]+)",
+    "acceptance by position": r"((?:[\d.]+|-)(?: (?:[\d.]+|-))*)",
+    "finish": r"(length|stop)",
+}
+
+
+def parse_stats(stderr: str) -> dict:
+    """The --stats block: '==========' then one 'name: value' line per STATS_LINES entry."""
+    block = stderr[stderr.index("==========\n") + 11:].strip().splitlines()
+    fields = dict(line.split(": ", 1) for line in block)
+    assert list(fields) == list(STATS_LINES)
+    return {k: re.fullmatch(STATS_LINES[k], v).groups() for k, v in fields.items()}
+
+
+def run(*argv, stdin=None) -> subprocess.CompletedProcess:
+    return subprocess.run([SCRIPT, *argv], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_generate_stats_parse_and_agree_with_the_run(pair):
+    p = run("generate", *pair, "--prompt", "def fibonacci(n):", "--max-tokens", "20",
+            "--speculative", "on", "--num-draft", "2", "--stats")
+    assert p.returncode == 0, p.stderr
+    s = parse_stats(p.stderr)
+    assert s["mode"][:2] == ("speculative", "on")
+    generated = int(s["generation"][0])
+    assert generated == 20 and s["finish"] == ("length",)
+    assert int(s["prompt"][0]) == int(s["prompt"][1]) > 0
+    rounds, serial = map(int, s["rounds"])
+    acceptance = s["acceptance by position"][0].split()
+    assert len(acceptance) == 2
+    assert all(a == "-" or 0.0 <= float(a) <= 1.0 for a in acceptance)
+    accepted = float(s["mean accepted per round"][0])
+    # every generated token is the prefill's, a serial step's or part of a round
+    assert generated == 1 + serial + rounds + round(accepted * rounds)
+    assert float(s["generation"][1]) > 0
+    assert p.stdout.endswith("\n") and len(p.stdout) > 1
+
+
+def test_generate_reads_stdin_and_streams_the_api_text(pair, pair_dirs):
+    p = run("generate", *pair, "--max-tokens", "16", "--chat", stdin="Tell me a joke.")
+    assert p.returncode == 0, p.stderr
+
+    import mlx.core as mx
+    import mlx_dspark as md
+
+    target, drafter = pair_dirs
+    loaded = md.load(target, drafter, dtype=mx.float32)
+    want = md.generate(loaded, "Tell me a joke.", max_tokens=16, chat=True)
+    assert p.stdout == want.text + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_json_has_the_documented_fields(pair):
+    p = run("bench", *pair, "--json", "--limit", "1", "--max-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    assert "bench: warming up" in p.stderr and "[3/3]" in p.stderr   # progress on stderr
+    r = json.loads(p.stdout)
+    assert set(r) >= {"machine", "settings", "prompts", "domains", "overall", "bandwidth",
+                      "model", "drafter"}
+    assert set(r["domains"]) == {"code", "math", "chat"}
+    assert r["settings"] == {"max_tokens": 8, "num_draft": 3, "repeats": 1, "temperature": 0.0,
+                             "dtype": "float32"}
+    for row in r["prompts"]:
+        for mode in ("serial", "speculative", "auto"):
+            run_ = row[mode]
+            assert run_["generated_tokens"] == 8 and run_["tokens_per_s"] > 0
+            assert len(run_["acceptance_by_position"]) == 3
+        assert row["speculative"]["rounds"] > 0 and row["serial"]["rounds"] == 0
+        # lossless: greedy speculative output is serial output, token for token (fp32)
+        assert row["same_tokens"] is True
+    for agg in [*r["domains"].values(), r["overall"]]:
+        assert set(agg) >= {"prompts", "serial_tokens_per_s", "speculative_tokens_per_s",
+                            "auto_tokens_per_s", "speedup", "auto_speedup", "predicted_speedup",
+                            "efficiency", "mean_accepted_per_round", "acceptance_by_position",
+                            "time_per_round", "same_tokens"}
+        assert agg["speedup"] == pytest.approx(
+            agg["speculative_tokens_per_s"] / agg["serial_tokens_per_s"])
+    assert r["overall"]["prompts"] == 3 and r["overall"]["same_tokens"] == 3
+    assert r["bandwidth"]["weight_bytes_per_token"] > 0 and r["bandwidth"]["memcpy_gb_per_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: one line, exit 1, no traceback (in-process: the real main, no model to run)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_missing_model_directory(capsys, tmp_path):
+    err = one_line_error(capsys, ["generate", "--model", str(tmp_path / "nope"), "-p", "x"])
+    assert err.startswith("mlx-dspark generate: error: ") and "nope: no such model directory" in err
+
+
+def test_drafter_for_another_target(capsys, pair_dirs, tmp_path):
+    target, drafter = pair_dirs
+    other = tmp_path / "other_drafter"
+    shutil.copytree(drafter, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] = 512
+    (other / "config.json").write_text(json.dumps(cfg))
+    err = one_line_error(capsys, ["chat", "--model", str(target), "--drafter", str(other)])
+    assert "vocab_size 512" in err and "config.json" in err
+
+
+def test_corrupt_checkpoint(capsys, pair_dirs, tmp_path):
+    target, drafter = pair_dirs
+    broken = tmp_path / "broken"
+    shutil.copytree(target, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    err = one_line_error(capsys, ["bench", "--model", str(broken), "--drafter", str(drafter)])
+    assert "model.safetensors" in err
+
+
+def test_missing_demo_pair_is_named(capsys, monkeypatch, tmp_path):
+    from mlx_dspark import api
+    monkeypatch.setattr(api, "DEMO", tmp_path / "demo")
+    err = one_line_error(capsys, ["generate", "-p", "x"])
+    assert "embedded demo pair is not installed" in err and "--model" in err
+
+
+def test_speculative_on_without_a_drafter(capsys, pair_dirs):
+    target, _ = pair_dirs
+    err = one_line_error(capsys, ["generate", "--model", str(target), "--speculative", "on",
+                                  "-p", "x"])
+    assert "needs a drafter" in err
