@@ -22,7 +22,7 @@ from .hub import resolve_source
 from .plan import TARGET, build_plan
 from .quant_config import GROUP_SIZE, fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import PinCheck, load_pins, receipt
-from .safetensors_io import OutTensor, SourceReader, sha256_file, write_safetensors
+from .safetensors_io import OutTensor, SourceFiles, sha256_file, write_safetensors
 
 LAYOUT = "mlx-dspark/1"
 RECEIPT_NAME = "MERERUN_CONVERSION.json"
@@ -102,10 +102,10 @@ def convert(src: str, out: str | Path, *, revision: str | None = None,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     tmp.chmod(0o755)                             # mkdtemp's 0700 is for the partial state only
     pool, stop = ThreadPoolExecutor(1), threading.Event()
-    reader = SourceReader()
+    files = SourceFiles()
     try:
         hashing = pool.submit(_hash_sources, s, source_files(s), check, stop)
-        outputs = _write_tensors(tmp, plan.tensors, reader, hashing, progress, shard_bytes)
+        outputs = _write_tensors(tmp, plan.tensors, files, hashing, progress, shard_bytes)
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (tmp / "config.json").write_text(text, encoding="utf-8")
         for name in copies:
@@ -129,7 +129,7 @@ def convert(src: str, out: str | Path, *, revision: str | None = None,
         raise ConversionError(f"{e.filename or out}: {e.strerror or e}") from None
     finally:
         stop.set()
-        reader.close()
+        files.close()
         pool.shutdown(wait=True, cancel_futures=True)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -137,7 +137,7 @@ def convert(src: str, out: str | Path, *, revision: str | None = None,
     return out
 
 
-def _write_tensors(tmp: Path, tensors, reader, hashing, progress, shard_bytes) -> dict:
+def _write_tensors(tmp: Path, tensors, files, hashing, progress, shard_bytes) -> dict:
     from tqdm import tqdm
 
     groups = shard(tensors, shard_bytes)
@@ -155,7 +155,7 @@ def _write_tensors(tmp: Path, tensors, reader, hashing, progress, shard_bytes) -
 
     try:
         for name, group in zip(names, groups):
-            size, sha = write_safetensors(tmp / name, group, METADATA, reader, advance)
+            size, sha = write_safetensors(tmp / name, group, METADATA, files, advance)
             outputs[name] = {"size": size, "sha256": sha}
     finally:
         bar.close()
