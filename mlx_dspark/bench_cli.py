@@ -312,8 +312,9 @@ def plot(report: dict, path: str):
         acc = d["acceptance_by_position"]
         left.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc],
                   marker="o", label=name)
+    positions = range(1, report["settings"]["num_draft"] + 1)
     left.set(title="acceptance by draft position", xlabel="position", ylabel="acceptance",
-             ylim=(0, 1))
+             ylim=(0, 1), xticks=list(positions))
     left.legend()
     names = [*report["domains"], "all"]
     rows = [report["domains"].get(n, report["overall"]) for n in names]

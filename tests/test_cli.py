@@ -285,3 +285,9 @@ def test_speculative_on_without_a_drafter(capsys, pair_dirs):
     err = one_line_error(capsys, ["generate", "--model", str(target), "--speculative", "on",
                                   "-p", "x"])
     assert "needs a drafter" in err
+
+
+def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)    # import fails as if not installed
+    err = one_line_error(capsys, ["bench", "--plot", "out.png", "--model", "/nonexistent"])
+    assert "--plot needs matplotlib" in err
