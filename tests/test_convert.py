@@ -275,3 +275,13 @@ def test_runtime_layers_compute_with_the_converted_layout(converted):
                 np.frombuffer(src[f"{src_p}.weight_scale"][2], np.float32)[0]
         ref = x.astype(np.float64) @ dq.astype(np.float64).T
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_progress_bar_counts_every_tensor_byte_on_stderr(tmp_path, capsys):
+    synth_drafter(tmp_path / "src")
+    out = convert(str(tmp_path / "src"), tmp_path / "o", progress=True)
+    err = capsys.readouterr().err
+    total = sum(v.nbytes for v in load_out(out).values())
+    from tqdm import tqdm
+    assert "convert: 100%" in err
+    assert f"{tqdm.format_sizeof(total, divisor=1024)}/{tqdm.format_sizeof(total, divisor=1024)}" in err
