@@ -176,5 +176,5 @@ def _report(pins: dict, source, out: Path, plan) -> None:
     else:
         detail = pins.get("detail") or f"{len(pins.get('unpinned_files', []))} files unpinned"
         note = f"source is {pins['status']}: {detail}; hashes recorded in {RECEIPT_NAME}"
-    print(f"converted {what} ({plan.kind}, {len(plan.tensors)} tensors) -> {out}\n{note}",
-          file=sys.stderr)
+    print(f"converted {what} ({plan.kind}, {len(plan.tensors)} tensors; {plan.dropped} source "
+          f"tensors dropped: input/KV-cache scales, MTP) -> {out}\n{note}", file=sys.stderr)

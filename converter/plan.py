@@ -177,8 +177,8 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
     claimed: set[str] = set()
     for name in sorted(keep):
         t = keep[name]
-        if not name.endswith(".weight") or len(t.shape) < 2 and t.dtype in DENSE_DTYPES:
-            continue
+        if not name.endswith(".weight") or (len(t.shape) < 2 and t.dtype in DENSE_DTYPES):
+            continue                                  # norms and other vectors: copied below
         prefix = name[:-len(".weight")]
         fmt, outs = _module_tensors(prefix, keep)
         expected = spec.expected(prefix)
@@ -244,11 +244,10 @@ def _stack_experts(items: list[tuple]) -> list[OutTensor]:
 
 
 def _stack_module_names(modules: dict[str, str]) -> dict[str, str]:
+    """Experts appear once, under their stacked prefix (their layouts were checked equal
+    when the tensors were stacked)."""
     stacked = {}
     for prefix, fmt in modules.items():
         m = _EXPERT.match(prefix)
-        key = f"{m[1]}.{m[3]}" if m else prefix
-        if stacked.setdefault(key, fmt) != fmt:
-            raise ConversionError(f"{key}: experts mix layouts {stacked[key]} and {fmt}")
-        stacked[key] = fmt
+        stacked[f"{m[1]}.{m[3]}" if m else prefix] = fmt
     return dict(sorted(stacked.items()))
