@@ -3,16 +3,22 @@
 A speculative round with N drafts emits ``E = 1 + sum_{j<=N} prod_{i<=j} alpha_i`` tokens on
 average and costs ``t_round``; a serial step emits one token and costs ``t_serial``. The
 controller keeps online estimates of the per-position conditional acceptance ``alpha_i`` and of
-both measured wall times, and predicts ``speedup = E * t_serial / t_round``.
+the round's cost *relative to a serial step measured around the same time*,
+``r = t_round / t_serial``, and predicts ``speedup = E / r``. Ratios, not absolute times: on a
+shared machine the absolute cost of both kinds of step swings by several times within seconds
+(other processes), while their ratio stays put; comparing an old round time with a fresh
+serial time would decide on the load, not on the drafter.
 
 Policy (constants below, chosen by measurement, see README "Break-even controller"):
-* Start with one speculative round, then one serial step, so both costs are measured early.
+* Start speculating, alternating serial steps and rounds (serial first) until there are
+  ``MIN_SAMPLES`` of each; no switch is decided on fewer.
 * While speculating: switch to serial when the predicted speedup falls below ``OFF``. Every
   ``REFRESH`` rounds take one serial step so ``t_serial`` follows the context length.
 * While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
   prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
   ``PROBE_MAX``), so a useless drafter costs a vanishing share of serial time. Switching on
-  resets the interval to ``PROBE_MIN``.
+  resets the interval to ``PROBE_MIN``, and so does a probe that lands between the
+  thresholds (promising, but not yet convincing).
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
@@ -23,8 +29,9 @@ drafter's estimate sinks to ~0.02. Ageing by tokens (not by tests) matters: afte
 serial stretch the old evidence has faded, so a single probe decides on what the content is
 *now*, which is what lets a change of content switch speculation back on.
 
-Costs are the median of the last ``COST_WINDOW`` measurements of each kind: wall times on a
-shared machine have one-sided spikes (another process, a page fault) that a mean would chase."""
+``t_serial`` is the median of the last ``COST_WINDOW`` serial steps and ``r`` the median of the
+last ``COST_WINDOW`` round ratios (each round's wall time over the ``t_serial`` of that moment):
+medians, because wall-time spikes are one-sided and a mean would chase them."""
 
 from __future__ import annotations
 
@@ -32,11 +39,12 @@ from dataclasses import dataclass, field
 
 ON = 1.05         # switch speculation on above this predicted speedup
 OFF = 1.0         # switch it off below this one
-DECAY = 0.97      # acceptance memory per generated token: ~33 tokens
-COST_WINDOW = 9   # cost = median of this many recent measurements
+DECAY = 0.95      # acceptance memory per generated token: ~20 tokens
+COST_WINDOW = 9   # costs = medians of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 REFRESH = 32      # speculative rounds between serial cost refreshes
+MIN_SAMPLES = 3   # measurements of each cost before any switch
 
 
 @dataclass
@@ -52,7 +60,7 @@ class Controller:
     switches: int = 0
     probe_every: int = PROBE_MIN
     serial_times: list[float] = field(default_factory=list)
-    round_times: list[float] = field(default_factory=list)
+    round_ratios: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
@@ -79,13 +87,14 @@ class Controller:
         return _median(self.serial_times)
 
     @property
-    def t_round(self) -> float | None:
-        return _median(self.round_times)
+    def round_cost(self) -> float | None:
+        """A round's cost in serial steps."""
+        return _median(self.round_ratios)
 
     def predicted_speedup(self) -> float | None:
-        if self.t_serial is None or self.t_round is None:
+        if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
             return None
-        return self.expected_tokens() * self.t_serial / self.t_round
+        return self.expected_tokens() / self.round_cost
 
     # -- decision ----------------------------------------------------------------------------
 
@@ -93,8 +102,8 @@ class Controller:
         """True: run a speculative round next; False: a serial step."""
         if self.forced is not None:
             return self.forced
-        if self.t_serial is None and self.t_round is not None:
-            return False                               # measure a serial step early
+        if len(self.serial_times) < MIN_SAMPLES:       # warm-up: S, R, S, R, S, R
+            return len(self.serial_times) > len(self.round_ratios)
         if self.speculating:
             return self._since < REFRESH
         return self._since >= self.probe_every
@@ -120,8 +129,8 @@ class Controller:
         for i in range(num_tested):
             self.tested[i] += 1.0
             self.accepted[i] += 1.0 if i < num_accepted else 0.0
-        if num_drafted == self.num_draft:
-            _push(self.round_times, seconds)
+        if num_drafted == self.num_draft and self.t_serial is not None:
+            _push(self.round_ratios, seconds / self.t_serial)
         if self.forced is not None:
             return
         if self.speculating:
@@ -132,9 +141,13 @@ class Controller:
         else:
             self._since = 0
             speedup = self.predicted_speedup()
-            if speedup is not None and speedup > ON:
+            if speedup is None:
+                return
+            if speedup > ON:
                 self._switch(True)
                 self.probe_every = PROBE_MIN
+            elif speedup > OFF:
+                self.probe_every = PROBE_MIN               # promising: look again soon
             else:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
 
