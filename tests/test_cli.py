@@ -20,7 +20,7 @@ from cli_pair import make_pair
 from mlx_dspark import cli
 
 SCRIPT = str(Path(sys.executable).parent / "mlx-dspark")
-# The fixture target's routed experts are stacked float weights; MLX's CPU gather_mm wants fp32.
+# fp32, where speculative greedy output must equal serial greedy output token for token.
 DTYPE = ["--dtype", "float32"]
 STATUS = re.compile(r"\[(\d+) tokens, ([\d.]+) tokens/s, accepted ([\d.]+)/round \(([^)]*)\), "
                     r"prompt (\d+) tokens: (\d+) prefilled, (\d+) reused, (\w+), (\w+)\]")
