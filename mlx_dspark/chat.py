@@ -17,6 +17,7 @@ import sys
 
 from . import api
 from .commands import format_acceptance, generation_kwargs
+from .speculative import Session
 
 HELP = """commands:
   /reset   forget the conversation (the next prompt is prefilled from scratch)
@@ -114,7 +115,9 @@ def status_line(stats: dict) -> str:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        self.session = pair.session()
+        # with speculation off the drafter is never asked, so the session feeds it no taps
+        self.session = pair.session() if args.speculative != "off" else \
+            Session(pair.target, None)
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
                                          args.system)

@@ -291,3 +291,44 @@ def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)    # import fails as if not installed
     err = one_line_error(capsys, ["bench", "--plot", "out.png", "--model", "/nonexistent"])
     assert "--plot needs matplotlib" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# the chat's prompt building, on the fixture's real tokenizer (no model needed)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pair_dirs):
+    from mlx_dspark.tokenizer import load_tokenizer
+    return load_tokenizer(pair_dirs[0])
+
+
+def test_next_turn_prompt_extends_the_previous_ids_exactly(tokenizer):
+    from mlx_dspark.chat import Conversation
+
+    conv = Conversation(tokenizer, {})
+    first = conv.prompt("What is the capital of France?")
+    answer = tokenizer.encode("Paris", add_special_tokens=False) + [7, 250]  # any ids, even odd
+    conv.add_turn("What is the capital of France?", first, answer, "Paris?")
+    second = conv.prompt("And of Italy?")
+    assert second[:len(first) + len(answer)] == first + answer
+    # what follows is the template's text after an answer: end of turn, message, reply header
+    tail = tokenizer.decode(second[len(first) + len(answer):])
+    assert tail == "</s>\n<|user|>\nAnd of Italy?\n<|assistant|>\n<think></think>"
+    conv.reset()
+    assert conv.prompt("What is the capital of France?") == first
+
+
+def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
+    from mlx_dspark.chat import Conversation, template_options
+
+    on, off = template_options(tokenizer, "on"), template_options(tokenizer, "off")
+    assert on == {"enable_thinking": True} and off == {"enable_thinking": False}
+    text = lambda opts: tokenizer.decode(Conversation(tokenizer, opts).prompt("Hi"))
+    assert text(on) == "<|user|>\nHi\n<|assistant|>\n"
+    assert text(off) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
+
+    class NoSwitch:
+        chat_template = "{{ messages }}"
+    assert template_options(NoSwitch(), "on") == {}
+    assert "no reasoning switch" in capsys.readouterr().err
