@@ -29,10 +29,11 @@ def _from_hf_cache(path: Path) -> tuple[str | None, str | None]:
     return None, None
 
 
-def resolve_source(src: str, revision: str | None, pins: dict, repo_id: str | None = None,
-                   download=None) -> Source:
-    """``download(repo_id, revision) -> local path`` defaults to huggingface_hub's
-    snapshot_download into the normal cache."""
+def resolve_source(src: str, revision: str | None, pins: dict,
+                   repo_id: str | None = None) -> Source:
+    """A directory is used in place (an HF cache snapshot also names its repo and revision);
+    a repo id is fetched with huggingface_hub into the normal cache, at ``revision``, else
+    the pinned revision, else main."""
     path = Path(src).expanduser()
     if path.is_dir():
         path = path.resolve()
@@ -49,7 +50,7 @@ def resolve_source(src: str, revision: str | None, pins: dict, repo_id: str | No
     if repo_id and repo_id != src:
         raise ConversionError(f"{src}: --repo-id {repo_id} contradicts the repo id given as SRC")
     rev = revision or pinned_revision(pins, src)
-    local = Path((download or _snapshot_download)(src, rev))
+    local = Path(_snapshot_download(src, rev))
     _, fetched = _from_hf_cache(local)
     return Source(local, src, fetched or rev)
 
