@@ -60,14 +60,26 @@ def load_json(path: Path):
 
 def fill_layer_pattern(config: dict, path: Path) -> dict:
     """Nemotron-H configs from transformers 5 carry `layers_block_type` instead of
-    `hybrid_override_pattern`; the runtime reads the pattern, so derive it."""
+    `hybrid_override_pattern`; the runtime reads the pattern, so derive it (and refuse a
+    config whose two spellings, or whose layer count, disagree)."""
     types = config.get("layers_block_type")
-    if "hybrid_override_pattern" in config or types is None:
-        return config
-    try:
-        pattern = "".join(_BLOCK_CHAR[t] for t in types)
-    except (KeyError, TypeError):
-        raise ConversionError(f"{path}: unknown entry in layers_block_type {types!r}") from None
+    pattern = config.get("hybrid_override_pattern")
+    if types is not None:
+        try:
+            derived = "".join(_BLOCK_CHAR[t] for t in types)
+        except (KeyError, TypeError):
+            raise ConversionError(f"{path}: unknown entry in layers_block_type {types!r}") from None
+        if pattern is not None and pattern != derived:
+            raise ConversionError(f"{path}: hybrid_override_pattern {pattern!r} contradicts "
+                                  f"layers_block_type ({derived!r})")
+        pattern = derived
+    if pattern is None:
+        raise ConversionError(f"{path}: Nemotron-H config without hybrid_override_pattern or "
+                              f"layers_block_type")
+    n = config.get("num_hidden_layers", len(pattern))
+    if len(pattern) != n:
+        raise ConversionError(f"{path}: layer pattern {pattern!r} has {len(pattern)} layers, "
+                              f"num_hidden_layers is {n}")
     return {**config, "hybrid_override_pattern": pattern}
 
 
