@@ -3,8 +3,9 @@
 The format: an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 then the tensor data, offsets counted from the end of the header. Reading parses only the
-header and later copies each tensor's bytes by seeking, so memory never holds a whole
-tensor; writing emits tensors in a fixed order with fixed metadata and hashes as it goes.
+header; tensor bytes are later copied range by range (kernel copy, hashed from bounded mmap
+windows), so memory never holds a whole tensor. Writing emits tensors in the given order
+with fixed metadata and an 8-byte-aligned header, hashing as it goes.
 """
 
 from __future__ import annotations
