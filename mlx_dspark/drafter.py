@@ -449,7 +449,9 @@ class Drafter(nn.Module):
         if not share_embedding:
             self.embed_tokens = nn.Module()
             self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use
-        self._target = target  # borrowed lm_head (and embedding); not a parameter of ours
+        # Borrowed lm_head (and embedding). Set around nn.Module's attribute hook so the
+        # target is neither a parameter nor a child module of the drafter.
+        object.__setattr__(self, "_target", target)
         self.gate_report = None
         self.reset()
 
@@ -612,8 +614,7 @@ def weight_gate(drafter: Drafter, path: str) -> str:
     used = set()  # model parameters checked by a decoding rule
     absent = []  # model parameters with no counterpart in the checkpoint
     for prefix, m in drafter.named_modules():
-        # the borrowed target (``_target``) is a child module in MLX but not the drafter's
-        if not isinstance(m, ScaledLinear) or prefix.startswith("_target"):
+        if not isinstance(m, ScaledLinear):
             continue
         used |= {f"{prefix}.weight", f"{prefix}.scale"}
         # NVFP4 decoded at load (weight = e2m1 x e4m3, scale = ws2), or FP8 decoded at load

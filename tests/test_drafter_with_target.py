@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "drafter"))
 import tiny  # noqa: E402
 from reference_drafter import ReferenceDrafter, read_safetensors  # noqa: E402
-from target_helpers import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config  # noqa: E402
+from target_helpers import (hf_weights_from_mlx_lm, quantize_like_modelopt,  # noqa: E402
+                            random_mlx_lm_model, tiny_config)
 
 from mlx_dspark.drafter import DrafterError, load_drafter  # noqa: E402
 from mlx_dspark.target import NemotronH, TargetConfig  # noqa: E402
@@ -20,25 +21,25 @@ from mlx_dspark.target import NemotronH, TargetConfig  # noqa: E402
 FP32_TOL = 1e-5  # as in test_drafter.py
 
 
-def nemotron_target(layers="M*EM", vocab=tiny.VOCAB):
-    """A 4-layer Nemotron-H whose embedding and lm_head are the drafter fixture's target."""
+def nemotron_target(layers="M*EM", vocab=tiny.VOCAB, nvfp4=None):
+    """A 4-layer Nemotron-H whose embedding and lm_head are the drafter fixture's target;
+    its Mamba and MoE projections NVFP4/FP8 in the converted layout."""
     cfg = tiny_config(pattern=layers, vocab_size=vocab, hidden_size=tiny.HIDDEN)
-    w = hf_weights_from_mlx_lm(random_mlx_lm_model(cfg, seed=3), stacked=True)
+    w, _ = quantize_like_modelopt(hf_weights_from_mlx_lm(random_mlx_lm_model(cfg, seed=3),
+                                                         stacked=True))
     if vocab == tiny.VOCAB:
         t = mx.load(tiny.TARGET)
         w["backbone.embeddings.weight"], w["lm_head.weight"] = t["embed.weight"], t["lm_head.weight"]
-    model = NemotronH(TargetConfig.from_dict(cfg), w, mx.float32)
+    model = NemotronH(TargetConfig.from_dict(cfg), w, mx.float32, nvfp4)
     mx.eval(model.parameters())
     return model
 
 
-@pytest.fixture(scope="module")
-def target():
-    return nemotron_target()
-
-
-def test_rounds_with_real_target_taps_match_reference(target):
-    d = load_drafter(tiny.DRAFTER, target)
+@pytest.mark.parametrize("nvfp4", ["quantized", "dequantized"])
+def test_rounds_with_real_target_taps_match_reference(nvfp4):
+    target = nemotron_target(nvfp4=nvfp4)
+    d = load_drafter(tiny.DRAFTER, target, nvfp4=nvfp4)
+    assert d.gate_report == "46/46 tensors match"  # the target's own layers are not ours
     assert "embed_tokens" not in d  # the target's embedding is the drafter's, bit for bit
     t = read_safetensors(tiny.TARGET)
     ref = ReferenceDrafter(tiny.DRAFTER, t["embed.weight"], t["lm_head.weight"])
