@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from modelopt_synth import (E4M3, nvfp4_dequantize, read_raw_checkpoint, synth_drafter,
-                            synth_target)
+from modelopt_synth import E4M3, nvfp4_dequantize, synth_drafter, synth_target
 from mlx_dspark.converter import convert
 from mlx_dspark.quant import make_linear
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from modelopt_synth import synth_drafter, synth_target
 from mlx_dspark import __version__
