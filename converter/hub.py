@@ -57,9 +57,8 @@ def resolve_source(src: str, revision: str | None, pins: dict,
 
 def _snapshot_download(repo_id: str, revision: str | None) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=FETCH_PATTERNS)
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+    except Exception as e:       # network, auth, missing repo/revision: all one line for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConversionError(f"{repo_id}@{revision or 'main'}: download failed ({first})") from None
