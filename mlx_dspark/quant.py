@@ -54,7 +54,7 @@ class NVFP4Linear(nn.Module):
 
 class ScaledLinear(nn.Module):
     """A float weight times a per-tensor scale on the output: FP8 decoded at load, or NVFP4
-    dequantized once (the CPU compute policy, see :func:`nvfp4_policy`). Decoding is exact:
+    dequantized once (``nvfp4="dequantized"``, see :data:`NVFP4_POLICY`). Decoding is exact:
     every E4M3 value, and every E2M1·E4M3 product, is representable in bf16/fp16/fp32; the
     tensor scale stays a separate float32 factor, as in the quantized path."""
 
@@ -84,15 +84,16 @@ def dequantize_nvfp4(weight, scales, dtype=mx.float32) -> mx.array:
                          dtype=dtype)
 
 
-def nvfp4_policy() -> str:
-    """How NVFP4 layers compute when the caller does not say.
-
-    ``"quantized"`` (``mx.quantized_matmul`` / ``mx.gather_qmm`` on the packed codes) on
-    Metal, where it is the fast path. ``"dequantized"`` (decode once at load, dense matmul)
-    on MLX's CPU backend, whose nvfp4 kernels do not use BLAS: measured on this project's
-    Linux machines (benchmarks/bench_target.py) the dense path is several times faster in
-    bf16 and at the verify block sizes, at 2x (bf16) or 4x (fp32) the weight memory."""
-    return "quantized" if mx.metal.is_available() else "dequantized"
+NVFP4_POLICY = "quantized"
+"""Default compute for NVFP4 linears: ``"quantized"`` (``mx.quantized_matmul`` on the packed
+codes) on every backend. Measured on this project's 2-core Linux machines (8192x2688,
+float32 activations; benchmarks/bench_target.py has the model-level numbers): with MLX's
+stock CPU BLAS the quantized kernel beats a dense matmul over weights decoded at load at
+every block size (1 token: 70 vs 99 ms, 8 tokens: 364 vs 727 ms); with OpenBLAS preloaded it
+still wins for 1 token (30 vs 86 ms) but loses for 4-8 tokens (216-432 vs 110-114 ms), so
+``nvfp4="dequantized"`` pays for verify-heavy (speculative) decoding there, at 4x (fp32) the
+weight memory. bf16 activations make the CPU kernel 5-8x slower: the CPU default dtype is
+float32 (target.default_dtype)."""
 
 
 def module_format(weights: dict, prefix: str) -> str:
@@ -109,8 +110,8 @@ def make_linear(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None 
     """Build the linear layer stored under ``prefix`` from a flat tensor dict.
 
     ``dtype`` is the compute dtype: activations, dense weights and decoded FP8 weights
-    use it. ``nvfp4`` is ``"quantized"`` (codes stay packed) or ``"dequantized"``;
-    None means :func:`nvfp4_policy`."""
+    use it. ``nvfp4`` is ``"quantized"`` (codes stay packed) or ``"dequantized"``
+    (decoded once at load); None means :data:`NVFP4_POLICY`."""
     bias = weights.get(f"{prefix}.bias")
     if bias is not None:
         bias = bias.astype(dtype)
@@ -118,7 +119,7 @@ def make_linear(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None 
     if fmt == "nvfp4":
         w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
         ws2 = weights[f"{prefix}.weight_scale_2"].astype(mx.float32)
-        if (nvfp4 or nvfp4_policy()) == "dequantized":
+        if (nvfp4 or NVFP4_POLICY) == "dequantized":
             return ScaledLinear(dequantize_nvfp4(w, s, dtype), ws2, bias)
         return NVFP4Linear(w, s, ws2, bias)
     if fmt == "fp8":

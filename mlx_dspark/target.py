@@ -361,10 +361,10 @@ class Block(nn.Module):
 
 
 class NemotronH(nn.Module):
-    def __init__(self, cfg: TargetConfig, w: dict, dtype=mx.bfloat16, nvfp4=None):
+    def __init__(self, cfg: TargetConfig, w: dict, dtype=None, nvfp4=None):
         super().__init__()
         self.config = cfg
-        self.dtype = dtype
+        self.dtype = dtype = dtype or default_dtype()
         self.embeddings = w["backbone.embeddings.weight"].astype(dtype)
         self.layers = [Block(c, cfg, w, i, dtype, nvfp4)
                        for i, c in enumerate(cfg.hybrid_override_pattern)]
@@ -447,7 +447,12 @@ class NemotronH(nn.Module):
 # ------------------------------------------------------------------------------- loading
 
 
-DEFAULT_DTYPE = mx.bfloat16
+def default_dtype():
+    """bf16 on Metal. float32 on MLX's CPU backend, where it is the faster choice (measured,
+    benchmarks/bench_target.py and quant.NVFP4_POLICY): the CPU nvfp4 kernels and
+    ``gather_qmm`` are 5-8x slower with bf16 activations, ``gather_mm`` accepts only float32,
+    and only float32 matmuls go through BLAS."""
+    return mx.bfloat16 if mx.metal.is_available() else mx.float32
 
 
 def _stack_experts(w: dict, n_layers: int) -> dict:
@@ -487,8 +492,8 @@ def load_weights(path: str) -> dict:
 def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
     """Load a converted (or plain HF-format) Nemotron-H directory.
 
-    ``dtype``: compute dtype, default :data:`DEFAULT_DTYPE`. ``nvfp4``: ``"quantized"`` or
-    ``"dequantized"`` compute for NVFP4 layers, default per backend (quant.nvfp4_policy)."""
+    ``dtype``: compute dtype, default :func:`default_dtype`. ``nvfp4``: ``"quantized"`` or
+    ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY)."""
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -501,7 +506,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
     w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
-        model = NemotronH(cfg, w, dtype or DEFAULT_DTYPE, nvfp4)
+        model = NemotronH(cfg, w, dtype or default_dtype(), nvfp4)
     except KeyError as e:
         raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
     mx.eval(model.parameters())
