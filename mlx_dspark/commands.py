@@ -49,11 +49,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="turn the chat template's reasoning on or off, where it has the switch")
 
 
-def _positive(s: str) -> int:
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
-    return n
+def _at_least(low: int):
+    """An argparse type: an int no smaller than ``low``."""
+    def parse(s: str) -> int:
+        n = int(s)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {n}")
+        return n
+    parse.__name__ = "int"    # argparse names the type in "invalid int value"
+    return parse
+
+
+_positive = _at_least(1)
 
 
 def load_pair(args: argparse.Namespace):
@@ -75,6 +82,10 @@ def load_pair(args: argparse.Namespace):
         raise CommandError(f"{args.model}: no tokenizer")
     if args.speculative == "on" and pair.drafter is None:
         raise CommandError("--speculative on needs a drafter (--drafter DIR)")
+    most = pair.drafter.config.block_size - 1 if pair.drafter is not None else None
+    if most is not None and args.num_draft > most:
+        raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
+                           f"{most} tokens per round (its block_size is {most + 1})")
     return pair
 
 
@@ -190,8 +201,9 @@ BENCH_HELP = "serial vs speculative decoding on built-in code, math and chat pro
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--max-tokens", type=_positive, default=64, metavar="N",
-                   help="tokens generated per prompt and mode (default 64)")
+    p.add_argument("--max-tokens", type=_at_least(4), default=64, metavar="N",
+                   help="tokens generated per prompt and mode, at least 4 so that both modes "
+                        "have steps to time (default 64)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--repeats", type=_positive, default=1, metavar="R",
