@@ -16,16 +16,18 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   ``REFRESH`` rounds take one serial step so ``t_serial`` follows the context length.
 * While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
   prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
-  ``PROBE_MAX``), so a useless drafter costs a vanishing share of serial time. Switching on
+  ``PROBE_MAX``), and never probe so often that probes would cost more than
+  ``PROBE_BUDGET`` of serial time (a probe loses ``round_cost - E`` serial steps), so a
+  useless drafter costs a vanishing share of serial time. Switching on
   resets the interval to ``PROBE_MIN``, and so does a probe that lands between the
   thresholds (promising, but not yet convincing).
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
 accepted) ``tested_i += 1`` and ``accepted_i += [accepted]``, and all counts are multiplied by
-``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + 1/2) /
-(tested_i + 1)``: a prior worth one test, so positions never tested count as 1/2 and a useless
-drafter's estimate sinks to ~0.02. Ageing by tokens (not by tests) matters: after a long
+``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + 1/4) /
+(tested_i + 1/2)``: a prior worth half a test, so positions never tested count as 1/2, one
+success already says 0.83, and a useless drafter's estimate sinks to ~0.01. Ageing by tokens (not by tests) matters: after a long
 serial stretch the old evidence has faded, so a single probe decides on what the content is
 *now*, which is what lets a change of content switch speculation back on.
 
@@ -43,8 +45,9 @@ DECAY = 0.95      # acceptance memory per generated token: ~20 tokens
 COST_WINDOW = 9   # costs = medians of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
+PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
 REFRESH = 32      # speculative rounds between serial cost refreshes
-MIN_SAMPLES = 3   # measurements of each cost before any switch
+MIN_SAMPLES = 2   # measurements of each cost before any switch
 
 
 @dataclass
@@ -72,7 +75,7 @@ class Controller:
     # -- estimates ---------------------------------------------------------------------------
 
     def alpha(self) -> list[float]:
-        return [(a + 0.5) / (t + 1.0) for a, t in zip(self.accepted, self.tested)]
+        return [(a + 0.25) / (t + 0.5) for a, t in zip(self.accepted, self.tested)]
 
     def expected_tokens(self) -> float:
         """Expected tokens emitted by one round, the bonus included."""
@@ -102,7 +105,7 @@ class Controller:
         """True: run a speculative round next; False: a serial step."""
         if self.forced is not None:
             return self.forced
-        if len(self.serial_times) < MIN_SAMPLES:       # warm-up: S, R, S, R, S, R
+        if len(self.serial_times) < MIN_SAMPLES:       # warm-up: S, R, S, R
             return len(self.serial_times) > len(self.round_ratios)
         if self.speculating:
             return self._since < REFRESH
@@ -138,6 +141,7 @@ class Controller:
             speedup = self.predicted_speedup()
             if speedup is not None and speedup < OFF:
                 self._switch(False)
+                self.probe_every = self._affordable(PROBE_MIN)
         else:
             self._since = 0
             speedup = self.predicted_speedup()
@@ -149,7 +153,14 @@ class Controller:
             elif speedup > OFF:
                 self.probe_every = PROBE_MIN               # promising: look again soon
             else:
-                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+                self.probe_every = self._affordable(2 * self.probe_every)
+
+    def _affordable(self, steps: int) -> int:
+        """A probe interval of at least ``steps`` whose probes cost at most PROBE_BUDGET of
+        serial time: a probe costs ``round_cost`` steps and emits ``E`` tokens, so it loses
+        ``round_cost - E`` steps."""
+        loss = self.round_cost - self.expected_tokens()
+        return int(min(PROBE_MAX, max(steps, loss / PROBE_BUDGET)))
 
     def _age(self, tokens: int):
         f = DECAY ** tokens

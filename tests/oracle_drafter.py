@@ -9,7 +9,9 @@ expectation, which is what the controller tests and the loop benchmark need.
 
 It implements the real drafter's API (``target_layer_ids``, ``reset``, ``add_context``,
 ``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
-proposals thrown away, so a round costs what a real drafter's round costs."""
+proposals thrown away, so a round costs what a real drafter's round costs; ``draft_work``
+(optional, a function) is run on every proposal instead: a drafting cost the controller tests
+can choose, which slows down with the machine's load like real drafting does."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ import numpy as np
 
 class OracleDrafter:
     def __init__(self, reference, vocab_size: int, acceptance=1.0, target_layer_ids=(0,),
-                 inner=None, seed: int = 0):
+                 inner=None, seed: int = 0, draft_work=None):
         self.reference = list(reference)
         self.vocab_size = vocab_size
         self.acceptance = acceptance if callable(acceptance) else (lambda pos: acceptance)
         self.inner = inner
         self.seed = seed
+        self.draft_work = draft_work
         self._ids = list(inner.target_layer_ids) if inner is not None else list(target_layer_ids)
         self.reset()
 
@@ -49,6 +52,8 @@ class OracleDrafter:
                 top_k: int = 0, key=None):
         if self.inner is not None:
             mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, key))
+        if self.draft_work is not None:
+            self.draft_work()
         tokens = []
         for j in range(1, n + 1):
             pos = self.length + j
