@@ -122,6 +122,7 @@ class Session:
         self.tokens: list[int] = []
         self.pending: list[mx.array] = []
         self.pending_start = 0
+        self.controller: Controller | None = None   # kept across calls: costs and acceptance
 
     @property
     def tap_layers(self):
@@ -253,7 +254,11 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
     tap = session.drafter is not None        # a session with a drafter keeps its context whole
     use_drafter = tap and speculative is not False
     stops = set(stop_tokens)
-    control = Controller(num_draft, forced=None if speculative == "auto" else bool(speculative))
+    forced = None if speculative == "auto" else bool(speculative)
+    control = session.controller
+    if control is None or control.num_draft != num_draft or control.forced != forced:
+        control = session.controller = Controller(num_draft, forced=forced)
+    switches_before = control.switches
     key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
     def next_key():
@@ -290,7 +295,7 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
             stats.t_serial += dt
             stats.serial_steps += 1
             control.observe_serial(dt)
-        stats.switches = control.switches
+        stats.switches = control.switches - switches_before
         stats.predicted_speedup = control.predicted_speedup()
         stats.mode = "speculative" if use_drafter and control.speculating else "serial"
         for token in out:
