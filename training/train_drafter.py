@@ -1,0 +1,190 @@
+"""Step 5: train the DSpark drafter against the frozen, exported (NVFP4-dequantized) target.
+
+The target is the exported checkpoint dequantized by ModelOpt (export_target.load_dequantized),
+i.e. exactly the weights the runtime verifies with. Its taps (pre-final-norm residuals after
+TARGET_LAYER_IDS) are computed once for a fixed set of training windows and cached; the target
+distribution at every position is norm_f + lm_head of the last tap (the last tap is the last
+layer's output), so it needs no second pass.
+
+Objective (DSpark, DESIGN §11): for each anchor P (bonus = true token at P, context = taps of
+positions < P) and block position k = 1..N_TRAIN:
+    w_k * (0.1 * CE(z_k, x_{P+k}) + 0.9 * TV(softmax(z_k), softmax(target logits at P+k-1)))
+with w_k = exp(-(k-1)/4), z_k including the Markov bias (prev = the true token at P+k-1).
+Embedding and lm_head are the target's, frozen.
+
+    /work/venv-fx/bin/python training/train_drafter.py [--steps N]
+"""
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common import SEQ_LEN, THREADS, tokens
+from data import WORK
+from drafter_model import DrafterConfig, DSparkDrafter, block_mask
+from export_target import load_dequantized
+from shapes import TARGET_LAYER_IDS
+from tokenizer import MASK
+
+SEED = 4321
+N_TRAIN = 3            # block positions trained: N = 3 is the main use (see README)
+ANCHORS = 64           # anchors per window per step
+BATCH = 4              # windows per step
+N_WINDOWS = 800        # cached training windows
+LR = 2e-3
+WARMUP = 50
+CKPT_EVERY = 50
+CKPT = WORK / "drafter_ckpt.pt"
+TAPS = WORK / "drafter_taps.pt"
+OUT = WORK / "drafter_torch"
+
+
+def drafter_config(target_cfg, mask_token_id):
+    h = target_cfg.hidden_size
+    return DrafterConfig(
+        hidden_size=h, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
+        vocab_size=target_cfg.vocab_size, target_layer_ids=list(TARGET_LAYER_IDS),
+        sliding_window=128, markov_rank=64, mask_token_id=mask_token_id)
+
+
+@torch.no_grad()
+def target_taps(target, ids):
+    """Pre-final-norm residual streams after TARGET_LAYER_IDS, concatenated: [B, T, n*h]."""
+    out = {}
+    hooks = [target.model.layers[i].register_forward_hook(lambda m, a, o, i=i: out.__setitem__(i, o))
+             for i in TARGET_LAYER_IDS]
+    logits = target(ids, use_cache=False).logits
+    for h in hooks:
+        h.remove()
+    return torch.cat([out[i] for i in TARGET_LAYER_IDS], -1), logits
+
+
+def target_logits_from_taps(target, taps):
+    """The target's logits recomputed from the last tap (the last layer's output)."""
+    h = target.config.hidden_size
+    assert TARGET_LAYER_IDS[-1] == len(target.model.layers) - 1
+    return target.lm_head(target.model.norm_f(taps[..., -h:]))
+
+
+def cached_windows(target):
+    if TAPS.exists():
+        return torch.load(TAPS)
+    stream = tokens("train")
+    g = np.random.default_rng(SEED)
+    starts = g.integers(0, len(stream) - SEQ_LEN - 1, size=N_WINDOWS)
+    ids = torch.from_numpy(np.stack([stream[s:s + SEQ_LEN] for s in starts]))
+    taps = []
+    t0 = time.time()
+    for i in range(0, N_WINDOWS, 8):
+        taps.append(target_taps(target, ids[i:i + 8])[0])
+        print(f"taps {i + 8}/{N_WINDOWS} {time.time() - t0:.0f}s", flush=True)
+    data = {"ids": ids, "taps": torch.cat(taps)}
+    torch.save(data, TAPS)
+    return data
+
+
+def dspark_loss(drafter, target, ids, taps, anchors, n):
+    """Mean over blocks of the weighted DSpark objective; also per-position greedy agreement."""
+    B, T = ids.shape
+    ctx_pos = torch.arange(T)
+    row_pos, mask = block_mask(ctx_pos, anchors, n, drafter.c.sliding_window)
+    A, R = len(anchors), n + 1
+    block_ids = torch.full((B, A, R), drafter.c.mask_token_id)
+    block_ids[:, :, 0] = ids[:, anchors]
+    ctx_kv = drafter.context(taps, ctx_pos)
+    hid = drafter.block_hidden(block_ids.view(B, A * R), row_pos, ctx_kv, mask).view(B, A, R, -1)[:, :, 1:]
+    k = torch.arange(1, n + 1)
+    pos_next = anchors[:, None] + k[None, :]                # positions predicted, [A, n]
+    prev = ids[:, pos_next - 1].reshape(-1)                  # Markov prev: the true token before
+    # 2-D matmuls: a strided 4-D input sends F.linear down a much slower batched path.
+    z = target.lm_head(hid.reshape(-1, hid.shape[-1])) + drafter.markov_head(prev)   # [B*A*n, V]
+    with torch.no_grad():
+        p_t = torch.softmax(target_logits_from_taps(target, taps[:, pos_next - 1].reshape(len(prev), -1)), -1)
+    logp = torch.log_softmax(z.float(), -1)
+    ce = F.nll_loss(logp, ids[:, pos_next].reshape(-1), reduction="none").view(B, A, n)
+    tv = 0.5 * (logp.exp() - p_t).abs().sum(-1).view(B, A, n)
+    w = torch.exp(-(k.float() - 1) / 4)
+    loss = ((0.1 * ce + 0.9 * tv) * w).sum(-1).mean() / w.sum()
+    agree = (z.argmax(-1) == p_t.argmax(-1)).float().view(B, A, n).mean((0, 1))
+    return loss, agree
+
+
+def lr_at(step, total):
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP))))
+
+
+def make_drafter(target, tok_mask_id):
+    torch.manual_seed(SEED)
+    d = DSparkDrafter(drafter_config(target.config, tok_mask_id))
+    for name, p in d.named_parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+    torch.nn.init.zeros_(d.markov_head.markov_w2.weight)  # the Markov bias starts at zero
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.model.embeddings.weight)
+    d.embed_tokens.weight.requires_grad_(False)
+    return d
+
+
+def mask_token_id():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(WORK / "tokenizer" / "hf").convert_tokens_to_ids(MASK)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--stop-at", type=int, default=None, help="end early at this checkpointed step")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    target = load_dequantized()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    data = cached_windows(target)
+    drafter = make_drafter(target, mask_token_id())
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    step = 0
+    if CKPT.exists():
+        ck = torch.load(CKPT)
+        drafter.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step = ck["step"]
+        print(f"resumed at step {step}")
+    stop = args.stop_at or args.steps
+    t0 = time.time()
+    while step < stop:
+        g = np.random.default_rng([SEED, step])
+        rows = torch.from_numpy(g.choice(N_WINDOWS, BATCH, replace=False))
+        anchors = torch.from_numpy(np.sort(g.choice(np.arange(1, SEQ_LEN - N_TRAIN), ANCHORS, replace=False)))
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, args.steps)
+        loss, agree = dspark_loss(drafter, target, data["ids"][rows], data["taps"][rows], anchors, N_TRAIN)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 10 == 0:
+            print(f"step {step} loss {loss.item():.4f} agree@1..3 {[round(a, 3) for a in agree[:3].tolist()]} "
+                  f"{(time.time() - t0) / 10:.2f}s/step", flush=True)
+            t0 = time.time()
+        if step % CKPT_EVERY == 0 or step == stop:
+            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step}, CKPT)
+    OUT.mkdir(exist_ok=True)
+    torch.save(drafter.state_dict(), OUT / "drafter.pt")
+    (OUT / "drafter_config.json").write_text(json.dumps(asdict(drafter.c), indent=2))
+    (OUT / "training_report.json").write_text(json.dumps({"steps": step, "planned_steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()
