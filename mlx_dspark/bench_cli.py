@@ -1,18 +1,12 @@
 """``mlx-dspark bench``: serial vs speculative decoding, in the same run, on the same prompts.
 
-DESIGN §10. Every prompt of the built-in set (code, math, open chat) is decoded greedily three
-ways: serial (``speculative=False``), speculative on every round (``True``) and the break-even
-controller's choice (``"auto"``, what users get by default). One warm-up generation in each
-mode comes first; with ``--repeats R`` the run with the median tokens/s is kept. Speculation is
-lossless, so greedy outputs of the three modes are compared token for token and the report says
-how many prompts matched (on bf16 a near-tie in the target's own logits can flip a token).
-
-Reported per prompt and per domain: decode tokens/s of each mode and the speedups, mean
-accepted drafts per round, acceptance by position, the draft/verify/rollback/other time of a
-round, the speedup the cost model predicts from those measured parts
-(``tokens per round x serial step time / round time``) and efficiency = measured / predicted;
-for serial decoding, the weight bytes read per token x tokens/s against the machine's measured
-memory-copy bandwidth (the limit of memory-bound decoding)."""
+DESIGN §10. The measuring is :mod:`mlx_dspark.bench` (modes interleaved per prompt, warm-up
+first, medians over repeats, the cost model's predicted speedup and the efficiency); this
+module adds the built-in prompt set (code, math, open chat), the summaries per prompt, per
+domain and overall, a check that the three modes' greedy outputs are identical (speculation is
+lossless; on bf16 a near-tie in the target's own logits may flip a token), the serial decode's
+weight bandwidth against the machine's memory-copy bandwidth, and the report: a table, JSON or
+a PNG plot."""
 
 from __future__ import annotations
 
@@ -45,7 +39,6 @@ PROMPTS = {
     ],
 }
 CHAT_DOMAINS = ("math", "chat")
-MODES = {"serial": False, "speculative": True, "auto": "auto"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +81,7 @@ def _domains(spec: str | None) -> list[str]:
 
 
 def measure(pair, prompts, args) -> dict:
-    from . import api
+    from . import bench
     from .chat import encode_chat
 
     def ids(domain, text):
@@ -96,38 +89,44 @@ def measure(pair, prompts, args) -> dict:
             return encode_chat(pair.tokenizer, [{"role": "user", "content": text}], {})[0]
         return list(pair.tokenizer.encode(text))
 
-    def once(prompt_ids, mode, max_tokens):
-        t0 = time.perf_counter()
-        r = api.generate(pair, prompt_ids, max_tokens=max_tokens, num_draft=args.num_draft,
-                         speculative=MODES[mode])
-        return r.tokens, _run_summary(r.stats, time.perf_counter() - t0)
+    def once(prompt_ids, mode, max_tokens, seed=0):
+        return bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
+                              args.num_draft, seed=seed)
 
+    encoded = [ids(d, t) for d, t in prompts]
     _progress("warming up")
-    first = ids(*prompts[0])
-    for mode in MODES:
-        once(first, mode, min(args.max_tokens, 16))
-    rows = []
-    for i, (domain, text) in enumerate(prompts, 1):
-        prompt_ids = ids(domain, text)
-        row = {"domain": domain, "prompt": text, "prompt_tokens": len(prompt_ids)}
-        outputs = {}
-        for mode in MODES:
-            runs = [once(prompt_ids, mode, args.max_tokens) for _ in range(args.repeats)]
-            runs.sort(key=lambda r: r[1]["tokens_per_s"])
-            outputs[mode], row[mode] = runs[len(runs) // 2]
-        row["same_tokens"] = outputs["serial"] == outputs["speculative"] == outputs["auto"]
-        row.update(_speedups([row]))
-        rows.append(row)
-        _progress(f"[{i}/{len(prompts)}] {domain:5} {_short(text):32} serial "
-                  f"{row['serial']['tokens_per_s']:6.1f} tok/s, speculative "
-                  f"{row['speculative']['tokens_per_s']:6.1f} ({row['speedup']:.2f}x), auto "
-                  f"{row['auto']['tokens_per_s']:6.1f} ({row['auto_speedup']:.2f}x)")
+    for mode in bench.MODES:
+        once(encoded[0], mode, min(args.max_tokens, 16))
+    runs = {m: [] for m in bench.MODES}    # per repeat: Stats per prompt
+    outputs = [dict() for _ in prompts]    # greedy: every repeat gives the same tokens
+    for rep in range(args.repeats):
+        per_mode = {m: [] for m in bench.MODES}
+        for i, ((domain, text), prompt_ids) in enumerate(zip(prompts, encoded)):
+            for mode in bench.MODES:
+                outputs[i][mode], stats = once(prompt_ids, mode, args.max_tokens, seed=rep)
+                per_mode[mode].append(stats)
+            r = bench.summarize({m: [[per_mode[m][i]]] for m in bench.MODES}, args.num_draft)
+            t = r["tokens_per_s"]
+            _progress(f"[{rep * len(prompts) + i + 1}/{args.repeats * len(prompts)}] "
+                      f"{domain:5} {_short(text):32} serial {t['serial']:6.1f} tok/s, "
+                      f"speculative {t['speculative']:6.1f} ({r['speedup']:.2f}x), "
+                      f"auto {t['auto']:6.1f} ({r['auto_vs_serial']:.2f}x)")
+        for m in bench.MODES:
+            runs[m].append(per_mode[m])
+
+    def summary(which: list[int]) -> dict:
+        sub = {m: [[rep[i] for i in which] for rep in runs[m]] for m in bench.MODES}
+        same = sum(len({tuple(outputs[i][m]) for m in bench.MODES}) == 1 for i in which)
+        return {"prompts": len(which), "same_tokens": same,
+                **bench.summarize(sub, args.num_draft)}
+
+    rows = [{"domain": d, "prompt": t, "prompt_tokens": len(p), **summary([i])}
+            for i, ((d, t), p) in enumerate(zip(prompts, encoded))]
+    domains = {d: summary([i for i, (dd, _) in enumerate(prompts) if dd == d])
+               for d in dict.fromkeys(d for d, _ in prompts)}
+    overall = summary(list(range(len(prompts))))
     _progress("measuring memory-copy bandwidth")
     bytes_per_token = weight_bytes_per_token(pair.target)
-    domains = {d: _aggregate([r for r in rows if r["domain"] == d])
-               for d in dict.fromkeys(r["domain"] for r in rows)}
-    overall = _aggregate(rows)
-    serial_tps = overall["serial_tokens_per_s"]
     return {
         "machine": machine(),
         "settings": {"max_tokens": args.max_tokens, "num_draft": args.num_draft,
@@ -138,84 +137,9 @@ def measure(pair, prompts, args) -> dict:
         "overall": overall,
         "bandwidth": {
             "weight_bytes_per_token": bytes_per_token,
-            "serial_gb_per_s": bytes_per_token * serial_tps / 1e9,
+            "serial_gb_per_s": bytes_per_token * overall["tokens_per_s"]["serial"] / 1e9,
             "memcpy_gb_per_s": memcpy_bandwidth() / 1e9,
         },
-    }
-
-
-def _run_summary(stats: dict, wall: float) -> dict:
-    """One generation. Decode time is wall-clock time after the prefill (everything a user
-    waits for: model calls, Python, detokenizing); the loop's own timers split the rounds."""
-    t = stats["time"]
-    rounds = stats["rounds"]
-    decode_tokens = max(stats["generated_tokens"] - 1, 0)   # the first comes from the prefill
-    decode_time = wall - t["prefill"]
-    return {
-        "tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
-        "generated_tokens": stats["generated_tokens"],
-        "decode_tokens": decode_tokens,
-        "decode_time": decode_time,
-        "serial_steps": stats["serial_steps"],
-        "serial_step_time": t["serial"] / stats["serial_steps"] if stats["serial_steps"] else None,
-        "rounds": rounds,
-        "round_time": t["draft"] + t["verify"] + t["rollback"] + t["other"],
-        "time_per_round": {k: t[k] / rounds if rounds else None
-                           for k in ("draft", "verify", "rollback", "other")},
-        "tokens_per_round": stats["mean_tokens_per_round"],
-        "mean_accepted_per_round": stats["mean_accepted_per_round"],
-        "acceptance_by_position": stats["acceptance_by_position"],
-        "tested_by_position": stats["tested_by_position"],
-        "mode": stats["mode"],
-        "mode_switches": stats["mode_switches"],
-    }
-
-
-def _rate(runs, key="decode_tokens", time_key="decode_time") -> float:
-    t = sum(r[time_key] for r in runs)
-    return sum(r[key] for r in runs) / t if t else 0.0
-
-
-def _speedups(rows) -> dict:
-    serial_runs, spec_runs = [r["serial"] for r in rows], [r["speculative"] for r in rows]
-    serial, spec = _rate(serial_runs), _rate(spec_runs)
-    auto = _rate([r["auto"] for r in rows])
-    # The cost model (DESIGN §8) from measured parts: tokens per round x serial step time /
-    # round time (draft + verify + rollback + other), the loop's timers only.
-    steps = sum(r["serial_steps"] for r in serial_runs)
-    step_time = sum(r["serial_step_time"] * r["serial_steps"] for r in serial_runs
-                    if r["serial_steps"]) / steps if steps else None
-    rounds = sum(r["rounds"] for r in spec_runs)
-    round_tokens = sum(r["tokens_per_round"] * r["rounds"] for r in spec_runs)
-    round_time = sum(r["round_time"] for r in spec_runs)
-    predicted = round_tokens * step_time / round_time if rounds and round_time and step_time \
-        else None
-    speedup = spec / serial if serial else None
-    return {"speedup": speedup, "auto_speedup": auto / serial if serial else None,
-            "predicted_speedup": predicted,
-            "efficiency": speedup / predicted if predicted and speedup is not None else None}
-
-
-def _aggregate(rows) -> dict:
-    spec_runs = [r["speculative"] for r in rows]
-    n = len(spec_runs[0]["tested_by_position"])
-    tested = [sum(r["tested_by_position"][i] for r in spec_runs) for i in range(n)]
-    accepted = [sum(round(r["acceptance_by_position"][i] * r["tested_by_position"][i])
-                    for r in spec_runs if r["tested_by_position"][i]) for i in range(n)]
-    rounds = sum(r["rounds"] for r in spec_runs)
-    time_per_round = {k: sum(r["time_per_round"][k] * r["rounds"] for r in spec_runs
-                             if r["rounds"]) / rounds if rounds else None
-                      for k in ("draft", "verify", "rollback", "other")}
-    return {
-        "prompts": len(rows),
-        "serial_tokens_per_s": _rate([r["serial"] for r in rows]),
-        "speculative_tokens_per_s": _rate(spec_runs),
-        "auto_tokens_per_s": _rate([r["auto"] for r in rows]),
-        **_speedups(rows),
-        "mean_accepted_per_round": sum(accepted) / rounds if rounds else 0.0,
-        "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tested)],
-        "time_per_round": time_per_round,
-        "same_tokens": sum(r["same_tokens"] for r in rows),
     }
 
 
@@ -275,27 +199,31 @@ def table(report: dict) -> str:
         f"machine: {m['system']} {m['machine']}, {m['cpu_count']} cores, MLX {m['mlx']} "
         f"({m['device']})",
         "",
-        f"{'domain':8}{'prompts':>8}{'serial':>10}{'spec.':>10}{'speedup':>9}{'auto':>10}"
-        f"{'speedup':>9}{'acc/round':>11}  acceptance by position",
-        f"{'':8}{'':>8}{'tok/s':>10}{'tok/s':>10}{'':>9}{'tok/s':>10}{'':>9}",
+        f"{'domain':8}{'prompts':>8}{'serial':>9}{'spec.':>9}{'speedup':>9}{'auto':>9}"
+        f"{'speedup':>9}{'tokens':>8}  acceptance",
+        f"{'':8}{'':>8}{'tok/s':>9}{'tok/s':>9}{'':>9}{'tok/s':>9}{'':>9}{'/round':>8}"
+        f"  by position",
     ]
     for name, d in [*report["domains"].items(), ("all", report["overall"])]:
+        t = d["tokens_per_s"]
         lines.append(
-            f"{name:8}{d['prompts']:>8}{d['serial_tokens_per_s']:>10.1f}"
-            f"{d['speculative_tokens_per_s']:>10.1f}{_x(d['speedup']):>9}"
-            f"{d['auto_tokens_per_s']:>10.1f}{_x(d['auto_speedup']):>9}"
-            f"{d['mean_accepted_per_round']:>11.2f}  {_positions(d['acceptance_by_position'])}")
+            f"{name:8}{d['prompts']:>8}{t['serial']:>9.1f}{t['speculative']:>9.1f}"
+            f"{_x(d['speedup']):>9}{t['auto']:>9.1f}{_x(d['auto_vs_serial']):>9}"
+            f"{d['mean_tokens_per_round']:>8.2f}  {_positions(d['acceptance_by_position'])}")
     o, b = report["overall"], report["bandwidth"]
-    tpr = o["time_per_round"]
-    lines += [""]
-    if tpr["draft"] is not None:
-        lines.append("speculative round: " + ", ".join(
-            f"{k} {tpr[k] * 1e3:.2f} ms" for k in ("draft", "verify", "rollback", "other")))
+    ms = o["round_ms"]
     lines += [
+        "",
+        f"speculative round: draft {ms['draft']:.2f} ms, verify {ms['verify']:.2f} ms, rollback "
+        f"{ms['rollback']:.2f} ms, overhead {o['overhead_ms_per_round']:.2f} ms "
+        f"(serial step {o['serial_step_ms']:.2f} ms)",
         f"cost model: predicted speedup {_x(o['predicted_speedup'])}, measured "
         f"{_x(o['speedup'])} (efficiency {_pct(o['efficiency'])})",
+        f"auto: speculated for {_pct(o['auto_speculative_share'])} of the tokens, "
+        f"{'picked' if o['auto_picked_faster'] else 'did not pick'} the faster mode "
+        f"({_pct(o['auto_vs_best'])} of its speed)",
         f"serial: {b['weight_bytes_per_token'] / 1e6:.2f} MB of weights per token x "
-        f"{o['serial_tokens_per_s']:.1f} tokens/s = {b['serial_gb_per_s']:.2f} GB/s, against "
+        f"{o['tokens_per_s']['serial']:.1f} tokens/s = {b['serial_gb_per_s']:.2f} GB/s, against "
         f"{b['memcpy_gb_per_s']:.1f} GB/s memory-copy bandwidth",
         f"greedy outputs identical in all three modes: {o['same_tokens']}/{o['prompts']} prompts",
     ]
@@ -319,8 +247,8 @@ def plot(report: dict, path: str):
     names = [*report["domains"], "all"]
     rows = [report["domains"].get(n, report["overall"]) for n in names]
     xs = range(len(names))
-    right.bar([x - 0.2 for x in xs], [r["speedup"] or 0 for r in rows], 0.4, label="speculative")
-    right.bar([x + 0.2 for x in xs], [r["auto_speedup"] or 0 for r in rows], 0.4, label="auto")
+    right.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="speculative")
+    right.bar([x + 0.2 for x in xs], [r["auto_vs_serial"] for r in rows], 0.4, label="auto")
     right.axhline(1.0, color="gray", linewidth=1)
     right.set(title="speedup over serial", xticks=list(xs), xticklabels=names)
     right.legend()
