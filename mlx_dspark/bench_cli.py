@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise CommandError("--plot needs matplotlib, which is not installed "
                                "(pip install matplotlib)") from None
-    args.speculative = "on"      # load_pair: a drafter is required
     pair = load_pair(args)
+    if pair.drafter is None:
+        raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
     prompts = [(d, p) for d in domains for p in PROMPTS[d][:args.limit]]
     report = measure(pair, prompts, args)
     report["model"] = args.model or "embedded demo pair"

@@ -215,7 +215,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the results as JSON on standard output (fields: README)")
     p.add_argument("--plot", metavar="PNG",
                    help="also draw acceptance by position and speedup per domain (matplotlib)")
-    p.set_defaults(speculative="auto")
+    p.set_defaults(speculative="auto")      # bench runs every mode
 
 
 def run_bench(args: argparse.Namespace) -> int:

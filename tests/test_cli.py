@@ -292,6 +292,10 @@ def test_speculative_on_without_a_drafter(capsys, pair_dirs):
     assert "needs a drafter" in err
 
 
+def test_bench_without_a_drafter(capsys, pair_dirs):
+    err = one_line_error(capsys, ["bench", "--model", str(pair_dirs[0])])
+    assert "pass --drafter DIR" in err
+
 def test_num_draft_beyond_the_drafter_block(capsys, pair):
     err = one_line_error(capsys, ["generate", *pair, "--num-draft", "9", "-p", "x"])
     assert "--num-draft 9" in err and "at most 7" in err
