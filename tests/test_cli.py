@@ -72,7 +72,9 @@ def quit_with_eof(child):
 
 
 def test_chat_second_turn_prefills_only_the_new_message_and_reset_prefills_all(pair):
-    child = spawn_chat(pair, "--max-tokens", "12")
+    # forced speculation: what "auto" does depends on measured times, and this test compares
+    # a fresh start with the first turn
+    child = spawn_chat(pair, "--max-tokens", "12", "--speculative", "on")
     child.sendline("/stats")
     child.expect("no answers yet")
     child.expect(">>> ")
