@@ -122,7 +122,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(pair):
     child.expect(STATUS, timeout=10)
     stopped = _status(child.match)
     assert time.monotonic() - t0 < 5
-    assert stopped["finish"] == "interrupted" and 6 <= stopped["generated"] < 400
+    assert stopped["finish"] == "interrupted" and 1 <= stopped["generated"] < 400
     child.expect(">>> ")
 
     # The interrupted answer stays in the conversation, and the session still holds it.
