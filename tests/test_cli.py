@@ -287,6 +287,27 @@ def test_missing_demo_pair_is_named(capsys, monkeypatch, tmp_path):
     assert "embedded demo pair is not installed" in err and "--model" in err
 
 
+def test_no_model_means_the_embedded_demo_pair(capsys, monkeypatch, pair_dirs):
+    import mlx_dspark as md
+    from mlx_dspark import api
+
+    target, drafter = pair_dirs
+    monkeypatch.setattr(api, "DEMO", target.parent)    # holds target/ and drafter/, as demo/ does
+    assert cli.main(["generate", "-p", "def f(x):", "--max-tokens", "6"]) == 0
+    want = md.generate(md.load(target, drafter), "def f(x):", max_tokens=6)
+    assert capsys.readouterr().out == want.text + "\n"
+
+
+def test_chat_needs_a_chat_template(capsys, pair_dirs, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(pair_dirs[0], plain)
+    (plain / "chat_template.jinja").unlink()
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    err = one_line_error(capsys, ["chat", "--model", str(plain)])
+    assert "no chat template" in err and "mlx-dspark generate" in err
+
 def test_speculative_on_without_a_drafter(capsys, pair_dirs):
     target, _ = pair_dirs
     err = one_line_error(capsys, ["generate", "--model", str(target), "--speculative", "on",
