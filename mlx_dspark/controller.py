@@ -11,7 +11,9 @@ serial time would decide on the load, not on the drafter.
 
 Policy (constants below, chosen by measurement, see README "Break-even controller"):
 * Start speculating, alternating serial steps and rounds (serial first) until there are
-  ``MIN_SAMPLES`` of each; no switch is decided on fewer.
+  ``MIN_SAMPLES`` of each; no switch is decided on fewer. One of each is enough: a wrong
+  first call is corrected by the next probe or the next round, while every extra warm-up
+  round with a useless drafter costs a few percent of a short generation.
 * While speculating: switch to serial when the predicted speedup falls below ``OFF``. Every
   ``REFRESH`` rounds take one serial step so ``t_serial`` follows the context length.
 * While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
@@ -47,7 +49,7 @@ PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
 REFRESH = 32      # speculative rounds between serial cost refreshes
-MIN_SAMPLES = 2   # measurements of each cost before any switch
+MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Controller:
         """True: run a speculative round next; False: a serial step."""
         if self.forced is not None:
             return self.forced
-        if len(self.serial_times) < MIN_SAMPLES:       # warm-up: S, R, S, R
+        if len(self.serial_times) < MIN_SAMPLES:       # warm-up: serial first, then a round
             return len(self.serial_times) > len(self.round_ratios)
         if self.speculating:
             return self._since < REFRESH

@@ -1,7 +1,8 @@
 """The speculative decoding loop (DESIGN §7), one short function per step.
 
-    prefill  -> the prompt through the target, taps to the drafter, first token sampled
+    prefill  -> the prompt through the target (taps queued for the drafter), first token
     per round:
+      catch up the drafter gets the taps of tokens it has not seen (prompt, serial steps)
       draft    d1..dN = drafter.propose(bonus, N)             (+ the draft distributions)
       verify   target over [bonus, d1..dN] in one pass        -> p_0..p_N, taps
       accept   greedy argmax match / rejection sampling       -> a accepted, next token
@@ -190,7 +191,6 @@ def serial_step(session: Session, token: int, sampler: Sampler, key, tap: bool) 
 
 def draft(session: Session, bonus: int, n: int, sampler: Sampler, key):
     """The drafter proposes d1..dn after the bonus; returns them and their logits."""
-    session.flush()
     tokens, logits = session.drafter.propose(bonus, n, temperature=sampler.temperature,
                                              top_p=sampler.top_p, top_k=sampler.top_k, key=key)
     mx.eval(tokens, logits)
@@ -305,6 +305,8 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
 
 def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[int]:
     """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
+    t_start = time.perf_counter()
+    session.flush()     # context the drafter missed during serial steps (or the prompt)
     t0 = time.perf_counter()
     drafts, draft_logits = draft(session, bonus, n, sampler, next_key())
     t1 = time.perf_counter()
@@ -325,10 +327,11 @@ def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[
     for i in range(min(a + 1, n)):
         stats.tested_by_position[i] += 1
         stats.accepted_by_position[i] += i < a
-    stats.t_draft += t1 - t0
+    stats.t_draft += t1 - t_start
     stats.t_verify += t2 - t1
     stats.t_rollback += t4 - t3
-    stats.t_round += t4 - t0
+    stats.t_round += t4 - t_start
+    # The catch-up is work per token, not per round: the controller prices rounds without it.
     control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
     return out
 

@@ -26,8 +26,8 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.acceptance = acceptance if callable(acceptance) else (lambda pos: acceptance)
         self.inner = inner
-        self.seed = seed
         self.draft_work = draft_work
+        self.rng = np.random.default_rng(seed)   # not reseeded by reset: fresh coins every run
         self._ids = list(inner.target_layer_ids) if inner is not None else list(target_layer_ids)
         self.reset()
 
@@ -37,7 +37,6 @@ class OracleDrafter:
 
     def reset(self):
         self.length = 0
-        self.rng = np.random.default_rng(self.seed)
         if self.inner is not None:
             self.inner.reset()
 
