@@ -387,6 +387,9 @@ class NemotronH(nn.Module):
     def _forward(self, tokens, cache, tap_layers, record):
         if tokens.ndim == 1:
             tokens = tokens[None]
+        bad = [i for i in tap_layers or () if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"tap layers {bad} outside 0..{len(self.layers) - 1}")
         x = self.embed(tokens)
         taps = {}
         want = set(tap_layers or ())
@@ -399,9 +402,6 @@ class NemotronH(nn.Module):
             cache.offset += tokens.shape[1]
         if not tap_layers:
             return logits, None
-        bad = [i for i in tap_layers if not 0 <= i < len(self.layers)]
-        if bad:
-            raise ValueError(f"tap layers {bad} outside 0..{len(self.layers) - 1}")
         t = mx.concatenate([taps[i] for i in tap_layers], axis=-1)
         return logits, (t[0] if t.shape[0] == 1 else t)
 

@@ -230,3 +230,19 @@ def test_commit_rejects_misuse(twins):
         ours.commit(cache, 4)
     with pytest.raises(RuntimeError):
         ours.step(_tokens(1), cache)
+
+
+def test_bad_tap_layers_are_refused_before_the_cache_moves(twins):
+    ours, _ = twins
+    cache = ours.make_cache()
+    with pytest.raises(ValueError, match="tap layers"):
+        ours.step(_tokens(3), cache, tap_layers=(1, 6))
+    assert cache.offset == 0 and all(c is None or c.keys is None if isinstance(c, KVCache)
+                                     else c is None or c.ssm is None for c in cache.layers)
+
+
+def test_a_corrupt_safetensors_file_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_target(str(tmp_path))

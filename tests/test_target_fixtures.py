@@ -95,3 +95,18 @@ def test_logits_match_mlx_lm_on_modelopt_dequantized_weights(export, converted):
     a, b = np.array(model(toks)), np.array(ref_model(toks))
     assert _rel(a, b) < 1e-5
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("export", ["bf16", "mixed"])
+def test_incremental_decoding_matches_transformers(export, converted):
+    """Chunked prefill of 20 tokens, then one token at a time (the serial recurrence and
+    the KV cache) over the 50-token prompt: still the full-forward reference logits."""
+    model = load_target(str(_model_dir(export, converted)), dtype=mx.float32)
+    ref = _reference(export)
+    toks = mx.array(ref["tokens_2"])[None]
+    cache = model.make_cache()
+    parts = [model.step(toks[:, :20], cache)[0]]
+    parts += [model.step(toks[:, i:i + 1], cache)[0] for i in range(20, toks.shape[1])]
+    logits = np.array(mx.concatenate(parts, axis=1)[0])
+    assert _rel(logits, ref["logits_2"]) < 1e-5
+    assert (logits.argmax(-1) == ref["logits_2"].argmax(-1)).all()
