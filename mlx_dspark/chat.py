@@ -19,7 +19,8 @@ from . import api
 from .commands import format_acceptance, generation_kwargs
 from .speculative import Session
 
-HELP = """commands:
+HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
+commands:
   /reset   forget the conversation (the next prompt is prefilled from scratch)
   /stats   statistics of the conversation so far
   /help    this list
@@ -134,14 +135,15 @@ class Chat:
               f"/help lists the commands, Ctrl-D exits.")
         while True:
             try:
-                line = input(">>> ")
+                line = input(">>> ").strip()
+                if line.startswith('"""'):
+                    line = _read_block(line[3:])
             except EOFError:
                 print()
                 return 0
             except KeyboardInterrupt:
                 print("\n(Ctrl-D or /quit exits)")
                 continue
-            line = line.strip()
             if not line:
                 continue
             if line.startswith("/"):
@@ -230,6 +232,15 @@ class Chat:
             f"acceptance by position: {by_pos}",
             f"last answer: {status_line(t[-1])}",
         ])
+
+
+def _read_block(first: str) -> str:
+    """The rest of a message opened with triple quotes, up to the closing triple quotes (pasted
+    code keeps its lines and indentation)."""
+    lines = [first]
+    while not lines[-1].rstrip().endswith('"""'):
+        lines.append(input("... "))
+    return "\n".join(lines).rstrip()[:-3].strip("\n")
 
 
 def _write(text: str):

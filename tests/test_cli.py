@@ -369,3 +369,12 @@ def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
         chat_template = "{{ messages }}"
     assert template_options(NoSwitch(), "on") == {}
     assert "no reasoning switch" in capsys.readouterr().err
+
+
+def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):
+    from mlx_dspark.chat import _read_block
+
+    lines = iter(["def f(x):", "    return x", '"""'])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert _read_block("") == "def f(x):\n    return x"
+    assert _read_block('all on one line"""') == "all on one line"
