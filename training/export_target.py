@@ -27,6 +27,8 @@ from tokenizer import TOK_DIR
 SRC = WORK / "target_hf"
 OUT = WORK / "target_nvfp4"
 BLOCK = 16
+DEMO_LABEL = ("mlx-dspark demonstration target (Nemotron-H-shaped, 3.9M parameters) trained on the "
+              "Python standard library; a demonstration model, not Nemotron")
 
 
 def bf16_exclusions(config):
@@ -113,6 +115,9 @@ def main():
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=OUT)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TOK_DIR / "hf" / f, OUT / f)
+    config = json.loads((OUT / "config.json").read_text())
+    config["mlx_dspark_demo"] = DEMO_LABEL
+    (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     report["ppl_exported"] = perplexity(load_dequantized(), windows)
     report["bf16_layers"] = bf16_exclusions(model.config)
     report["degradation_vs_fp32"] = report["ppl_exported"] / report["ppl_fp32"] - 1

@@ -35,12 +35,12 @@ SEED = 4321
 N_TRAIN = 3            # block positions trained: N = 3 is the main use (see README)
 ANCHORS = 64           # anchors per window per step
 BATCH = 4              # windows per step
-N_WINDOWS = 800        # cached training windows
+N_WINDOWS = 2000       # cached training windows
 LR = 2e-3
 WARMUP = 50
 CKPT_EVERY = 50
 CKPT = WORK / "drafter_ckpt.pt"
-TAPS = WORK / "drafter_taps.pt"
+TAPS = WORK / f"drafter_taps_{N_WINDOWS}.pt"
 OUT = WORK / "drafter_torch"
 
 
@@ -142,7 +142,7 @@ def mask_token_id():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--stop-at", type=int, default=None, help="end early at this checkpointed step")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
