@@ -290,8 +290,8 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = w[f"{p}.gate.weight"].astype(mx.float32)
         self.bias = w[f"{p}.gate.e_score_correction_bias"].astype(mx.float32)
-        self.up = make_experts(w, f"{p}.experts.up_proj", dtype, nvfp4)
-        self.down = make_experts(w, f"{p}.experts.down_proj", dtype, nvfp4)
+        self.up = make_experts(w, f"{p}.experts.up_proj", dtype)
+        self.down = make_experts(w, f"{p}.experts.down_proj", dtype)
         self.shared = MLP(w, f"{p}.shared_experts", dtype, nvfp4)
 
     def route(self, x):
@@ -493,7 +493,8 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
     """Load a converted (or plain HF-format) Nemotron-H directory.
 
     ``dtype``: compute dtype, default :func:`default_dtype`. ``nvfp4``: ``"quantized"`` or
-    ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY)."""
+    ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed
+    experts always stay packed (quant.make_experts)."""
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:

@@ -74,14 +74,13 @@ def _expert_reference(x, ref, idx):
     return np.stack([[ref[e] @ x[t] for e in row] for t, row in enumerate(idx)])
 
 
-@pytest.mark.parametrize("policy", ["quantized", "dequantized"])
 @pytest.mark.parametrize("sort", [False, True])
-def test_nvfp4_experts_use_each_experts_own_tensor_scale(policy, sort):
+def test_nvfp4_experts_use_each_experts_own_tensor_scale(sort):
     rng = np.random.default_rng(2)
     w, s, ws2, ref = random_nvfp4(rng, (6, 40), 32)
     layer = make_experts({"e.weight": w, "e.scales": s, "e.weight_scale_2": ws2}, "e",
-                         mx.float32, policy)
-    assert isinstance(layer, NVFP4Experts if policy == "quantized" else DenseExperts)
+                         mx.float32)
+    assert isinstance(layer, NVFP4Experts)
     x = rng.standard_normal((7, 32)).astype(np.float32)
     idx = np.stack([rng.choice(6, 2, replace=False) for _ in range(7)])
     expect = _expert_reference(x.astype(np.float64), ref, idx)
@@ -94,6 +93,20 @@ def test_nvfp4_experts_use_each_experts_own_tensor_scale(policy, sort):
         got = got.reshape(7, 2, 40)
     else:
         got = np.array(layer(mx.array(x)[:, None, None], mx.array(idx)))[:, :, 0]
+    assert np.abs(got - expect).max() <= 1e-5 * np.abs(expect).max()
+
+
+def test_fp8_experts_scale_each_expert():
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 0x70, size=(3, 8, 16), dtype=np.uint8)     # finite E4M3 bytes
+    scale = np.array([0.5, 0.01, 3.0], dtype=np.float32)
+    layer = make_experts({"e.weight": mx.array(raw), "e.weight_scale": mx.array(scale)}, "e",
+                         mx.float32)
+    assert isinstance(layer, DenseExperts)
+    x = rng.standard_normal((4, 16))
+    idx = np.array([[0, 1], [2, 0], [1, 2], [2, 2]])
+    got = np.array(layer(mx.array(x.astype(np.float32))[:, None, None], mx.array(idx)))[:, :, 0]
+    expect = _expert_reference(x, e4m3(raw) * scale[:, None, None].astype(np.float64), idx)
     assert np.abs(got - expect).max() <= 1e-5 * np.abs(expect).max()
 
 
