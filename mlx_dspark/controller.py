@@ -14,8 +14,10 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   ``MIN_SAMPLES`` of each; no switch is decided on fewer. One of each is enough: a wrong
   first call is corrected by the next probe or the next round, while every extra warm-up
   round with a useless drafter costs a few percent of a short generation.
-* While speculating: switch to serial when the predicted speedup falls below ``OFF``. Every
-  ``REFRESH`` rounds take one serial step so ``t_serial`` follows the context length.
+* While speculating: switch to serial when the predicted speedup falls below ``OFF``, but only
+  right after a fresh serial step (otherwise take one first: under a load swing an old serial
+  time makes every round look expensive). Every ``REFRESH`` rounds take one serial step anyway
+  so ``t_serial`` follows the load and the context length.
 * While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
   prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
   ``PROBE_MAX``), and never probe so often that probes would cost more than
@@ -48,7 +50,7 @@ COST_WINDOW = 9   # costs = medians of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
-REFRESH = 32      # speculative rounds between serial cost refreshes
+REFRESH = 8       # speculative rounds between serial cost refreshes
 MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
 
@@ -142,8 +144,11 @@ class Controller:
             self._since += 1
             speedup = self.predicted_speedup()
             if speedup is not None and speedup < OFF:
-                self._switch(False)
-                self.probe_every = self._affordable(PROBE_MIN)
+                if self._since > 1:
+                    self._since = REFRESH              # stale serial cost: refresh, then decide
+                else:
+                    self._switch(False)
+                    self.probe_every = self._affordable(PROBE_MIN)
         else:
             self._since = 0
             speedup = self.predicted_speedup()
