@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
     prompts = [(d, p) for d in domains for p in PROMPTS[d][:args.limit]]
     report = measure(pair, prompts, args)
-    report["model"] = args.model or "embedded demo pair"
+    report["model"] = args.model or "embedded demo target"
     report["drafter"] = args.drafter or ("embedded demo drafter" if args.model is None else None)
     if args.json:
         print(json.dumps(report, indent=1))
