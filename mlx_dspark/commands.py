@@ -89,6 +89,13 @@ def load_pair(args: argparse.Namespace):
     return pair
 
 
+def require_chat_template(pair, args: argparse.Namespace) -> None:
+    if not getattr(pair.tokenizer, "has_chat_template", False):
+        raise CommandError(f"{args.model or 'the demo model'}: the tokenizer has no chat "
+                           f"template; use `mlx-dspark generate` without --chat for plain "
+                           f"completion")
+
+
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
@@ -149,6 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .chat import encode_chat, template_options
 
     if args.chat:
+        require_chat_template(pair, args)
         prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
     elif args.reasoning:
@@ -186,9 +194,7 @@ def run_chat(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     from .chat import Chat
 
-    if not getattr(pair.tokenizer, "has_chat_template", False):
-        raise CommandError(f"{args.model or 'the demo model'}: the tokenizer has no chat "
-                           f"template; use `mlx-dspark generate` for plain completion")
+    require_chat_template(pair, args)
     return Chat(pair, args).run()
 
 

@@ -305,8 +305,14 @@ def test_chat_needs_a_chat_template(capsys, pair_dirs, tmp_path):
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    err = one_line_error(capsys, ["chat", "--model", str(plain)])
-    assert "no chat template" in err and "mlx-dspark generate" in err
+    for argv in (["chat"], ["generate", "--chat", "-p", "hi"]):
+        err = one_line_error(capsys, [*argv, "--model", str(plain)])
+        assert "no chat template" in err and "`mlx-dspark generate` without --chat" in err
+
+
+def test_prompt_longer_than_the_context(capsys, pair):
+    err = one_line_error(capsys, ["generate", *pair, "-p", "The quick brown fox. " * 200])
+    assert "context limit is 512" in err
 
 def test_speculative_on_without_a_drafter(capsys, pair_dirs):
     target, _ = pair_dirs
