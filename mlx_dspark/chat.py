@@ -192,7 +192,7 @@ class Chat:
                         stats = dict(stats, finish_reason="interrupted")
                         break
             except ValueError as e:   # e.g. the conversation no longer fits the context
-                print(f"error: {' '.join(str(e).split())}")
+                print(f"error: {' '.join(str(e).split())} (/reset starts a new conversation)")
                 return
             finally:
                 stream.close()
