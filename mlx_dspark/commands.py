@@ -78,8 +78,6 @@ def load_pair(args: argparse.Namespace):
         pair = api.load(args.model, args.drafter, dtype=dtype)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
-    if pair.tokenizer is None:
-        raise CommandError(f"{args.model}: no tokenizer")
     if args.speculative == "on" and pair.drafter is None:
         raise CommandError("--speculative on needs a drafter (--drafter DIR)")
     most = pair.drafter.config.block_size - 1 if pair.drafter is not None else None
@@ -151,6 +149,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt:
         raise CommandError("empty prompt")
+    if args.reasoning and not args.chat:
+        raise CommandError("--reasoning applies to the chat template: add --chat")
     pair = load_pair(args)
     from . import api
     from .chat import encode_chat, template_options
@@ -159,8 +159,6 @@ def run_generate(args: argparse.Namespace) -> int:
         require_chat_template(pair, args)
         prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
-    elif args.reasoning:
-        raise CommandError("--reasoning applies to the chat template: add --chat")
     stats = None
     try:
         for chunk in api.stream_generate(pair, prompt, **generation_kwargs(args)):
