@@ -62,6 +62,7 @@ class DrafterConfig:
     block_size: int  # bonus + up to block_size - 1 drafted tokens
     mask_token_id: int
     target_layer_ids: tuple  # 0-based target layers whose outputs are tapped
+    target_hidden_size: int  # width of each tap (the target's hidden size)
     markov_rank: int
     has_embed_tokens: bool
 
@@ -182,6 +183,7 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
         block_size=block_size,
         mask_token_id=int(mask_id),
         target_layer_ids=tuple(int(i) for i in ids),
+        target_hidden_size=int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
         markov_rank=int(rank),
         has_embed_tokens=bool(cfg.get("has_embed_tokens", True)),
     )
@@ -196,9 +198,11 @@ def _target_dims(target):
 def check_fits(cfg: DrafterConfig, target, where: str):
     """Refuse a drafter that was not built for this target."""
     hidden, vocab, layers = _target_dims(target)
-    if cfg.hidden_size != hidden:
-        raise DrafterError(f"{where}: drafter hidden_size {cfg.hidden_size} != target "
-                           f"hidden_size {hidden} (wrong drafter for this target)")
+    for name, size in (("hidden_size", cfg.hidden_size), ("target_hidden_size",
+                                                          cfg.target_hidden_size)):
+        if size != hidden:
+            raise DrafterError(f"{where}: drafter {name} {size} != target hidden_size {hidden} "
+                               "(wrong drafter for this target)")
     if cfg.vocab_size != vocab:
         raise DrafterError(f"{where}: drafter vocab_size {cfg.vocab_size} != target "
                            f"vocab_size {vocab} (wrong drafter for this target)")

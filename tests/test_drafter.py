@@ -90,6 +90,23 @@ def test_sampled_tokens_come_from_the_returned_logits(drafter, ref):
     assert len(seen) > 1
 
 
+def test_first_draft_frequencies_follow_the_returned_distribution(drafter):
+    """600 sampled proposals: d_1's histogram against warp(z_1) (chi-square, fixed keys)."""
+    feed(drafter, 7)
+    probs, counts = None, np.zeros(tiny.VOCAB)
+    for seed in range(600):
+        tokens, z = drafter.propose(9, 1, temperature=1.5, top_k=12, key=mx.random.key(seed))
+        counts[int(tokens[0])] += 1
+        p = np.array(warp(z, 1.5, 1.0, 12))[0]
+        assert probs is None or np.array_equal(p, probs)  # z_1 does not depend on the draw
+        probs = p
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    expected = 600 * probs[support]
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < 31.3, chi2  # 99.9% quantile of chi-square with 11 degrees of freedom
+
+
 def test_sinks_far_from_zero_are_applied():
     """Zeroing the fixture's sinks (-9.5 to 9 per head) must move the logits."""
     d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)

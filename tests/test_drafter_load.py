@@ -139,6 +139,12 @@ def test_drafter_for_another_target_is_refused(target, message):
         load_drafter(tiny.DRAFTER, t)
 
 
+def test_drafter_declaring_another_tap_width_is_refused(tmp_path):
+    path = copy_fixture(tmp_path, edit_config=lambda c: c.update(target_hidden_size=96))
+    with pytest.raises(DrafterError, match="target_hidden_size 96 != target hidden_size 64"):
+        load_drafter(path, tiny.ArrayTarget())
+
+
 def test_unconverted_checkpoint_is_refused(tmp_path):
     path = copy_fixture(tmp_path, edit_config=lambda c: c.pop("quantization"))
     with pytest.raises(DrafterError, match="not a converted checkpoint.*mlx-dspark convert"):
