@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 
