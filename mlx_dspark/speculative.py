@@ -114,6 +114,7 @@ class Session:
 
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
+        self.controller: Controller | None = None   # costs and acceptance, kept across calls
         self.reset()
 
     def reset(self):
@@ -123,7 +124,6 @@ class Session:
         self.tokens: list[int] = []
         self.pending: list[mx.array] = []
         self.pending_start = 0
-        self.controller: Controller | None = None   # kept across calls: costs and acceptance
 
     @property
     def tap_layers(self):

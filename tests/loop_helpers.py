@@ -25,7 +25,8 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
         hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_layers=layers,
         num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=tc.vocab_size, rms_norm_eps=1e-6,
         rope_theta=10000.0, windows=(window,) * layers, attention_sinks=True, block_size=8,
-        mask_token_id=tc.vocab_size - 1, target_layer_ids=tuple(tap_layers), markov_rank=8,
+        mask_token_id=tc.vocab_size - 1, target_layer_ids=tuple(tap_layers),
+        target_hidden_size=tc.hidden_size, markov_rank=8,
         has_embed_tokens=False)
     mx.random.seed(seed)
     w = {}
