@@ -179,28 +179,40 @@ def test_verify_logits_and_taps_equal_a_plain_step(twins):
     assert mx.array_equal(la, lb) and mx.array_equal(ta, tb)
 
 
+def _worst_rollback_difference(model, toks, context):
+    worst = 0.0
+    for n in range(1, 8):
+        for a in range(n + 1):
+            cache = model.make_cache()
+            model.step(toks[:, :context], cache)
+            model.verify(toks[:, context:context + n + 1], cache)
+            model.commit(cache, a + 1)
+            fresh = model.make_cache()
+            model.step(toks[:, :context], fresh)
+            model.step(toks[:, context:context + a + 1], fresh)
+            assert cache.offset == fresh.offset == context + a + 1
+            nxt = toks[:, context + 8:context + 9]
+            pairs = list(zip(_state(cache), _state(fresh)))
+            pairs.append((model.step(nxt, cache)[0], model.step(nxt, fresh)[0]))
+            worst = max(worst, *(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))
+                                 .max().item() for x, y in pairs))
+    return worst
+
+
 @pytest.mark.parametrize("context", [1, 6, 29])
 def test_commit_leaves_exactly_the_state_of_the_accepted_prefix(twins, context):
     """a in 0..N accepted drafts, N in 1..7: KV, conv and SSM state, and the next step's
     logits, equal a fresh run over context + [bonus, d1..da] to the bit (fp32)."""
     ours, _ = twins
-    toks = _tokens(context + 9, seed=context)
-    worst = 0.0
-    for n in range(1, 8):
-        for a in range(n + 1):
-            cache = ours.make_cache()
-            ours.step(toks[:, :context], cache)
-            ours.verify(toks[:, context:context + n + 1], cache)
-            ours.commit(cache, a + 1)
-            fresh = ours.make_cache()
-            ours.step(toks[:, :context], fresh)
-            ours.step(toks[:, context:context + a + 1], fresh)
-            assert cache.offset == fresh.offset == context + a + 1
-            nxt = toks[:, context + 8:context + 9]
-            diffs = [mx.abs(x - y).max().item() for x, y in zip(_state(cache), _state(fresh))]
-            diffs.append(mx.abs(ours.step(nxt, cache)[0] - ours.step(nxt, fresh)[0]).max().item())
-            worst = max(worst, *diffs)
-    assert worst == 0.0
+    assert _worst_rollback_difference(ours, _tokens(context + 9, seed=context), context) == 0.0
+
+
+def test_commit_is_exact_in_bf16_too(twins):
+    from mlx_dspark.target import NemotronH
+    _, ref = twins
+    ours16 = NemotronH(TargetConfig.from_dict(tiny_config()),
+                       hf_weights_from_mlx_lm(ref, stacked=True), mx.bfloat16)
+    assert _worst_rollback_difference(ours16, _tokens(29, seed=7), 20) == 0.0
 
 
 def test_rejected_drafts_do_not_leak_into_the_next_round(twins):
