@@ -6,6 +6,9 @@ TARGET_LAYER_IDS) are computed once for a fixed set of training windows and cach
 distribution at every position is norm_f + lm_head of the last tap (the last tap is the last
 layer's output), so it needs no second pass.
 
+Training data: half of every batch is corpus windows, half windows whose tail is the target's
+own greedy continuation of a corpus prefix (generated_windows).
+
 Objective (DSpark, DESIGN §11): for each anchor P (bonus = true token at P, context = taps of
 positions < P) and block position k = 1..N_TRAIN:
     w_k * (0.1 * CE(z_k, x_{P+k}) + 0.9 * TV(softmax(z_k), softmax(target logits at P+k-1)))
@@ -42,6 +45,9 @@ CKPT_EVERY = 50
 CKPT = WORK / "drafter_ckpt.pt"
 TAPS = WORK / f"drafter_taps_{N_WINDOWS}.pt"
 OUT = WORK / "drafter_torch"
+N_GENERATED = 384      # windows of target-generated text (see generated_windows)
+GEN_PREFIX = 96        # corpus tokens before the target's greedy continuation
+GEN = WORK / f"drafter_generated_{N_GENERATED}.pt"
 
 
 def drafter_config(target_cfg, mask_token_id):
@@ -86,6 +92,34 @@ def cached_windows(target):
         print(f"taps {i + 8}/{N_WINDOWS} {time.time() - t0:.0f}s", flush=True)
     data = {"ids": ids, "taps": torch.cat(taps)}
     torch.save(data, TAPS)
+    return data
+
+
+def generated_windows(target):
+    """Windows whose tail is the target's own greedy continuation of a corpus prefix, with taps.
+
+    Greedy speculation drafts against exactly such text (a small model's greedy output is
+    far more repetitive than the corpus), so part of every batch comes from here, the way
+    DSpark/DFlash drafters train on target-regenerated data."""
+    if GEN.exists():
+        return torch.load(GEN)
+    stream = tokens("train")
+    g = np.random.default_rng(SEED + 1)
+    starts = g.integers(0, len(stream) - GEN_PREFIX, size=N_GENERATED)
+    prefixes = torch.from_numpy(np.stack([stream[s:s + GEN_PREFIX] for s in starts]))
+    ids, taps = [], []
+    t0 = time.time()
+    for i in range(0, N_GENERATED, 32):
+        x = prefixes[i:i + 32]
+        with torch.no_grad():
+            out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=SEQ_LEN - GEN_PREFIX, min_new_tokens=SEQ_LEN - GEN_PREFIX,
+                                  pad_token_id=0)
+        ids.append(out)
+        taps.append(target_taps(target, out)[0])
+        print(f"generated {i + len(x)}/{N_GENERATED} {time.time() - t0:.0f}s", flush=True)
+    data = {"ids": torch.cat(ids), "taps": torch.cat(taps)}
+    torch.save(data, GEN)
     return data
 
 
@@ -142,7 +176,7 @@ def mask_token_id():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--stop-at", type=int, default=None, help="end early at this checkpointed step")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
@@ -150,6 +184,7 @@ def main():
     for p in target.parameters():
         p.requires_grad_(False)
     data = cached_windows(target)
+    gen = generated_windows(target)
     drafter = make_drafter(target, mask_token_id())
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -164,11 +199,15 @@ def main():
     t0 = time.time()
     while step < stop:
         g = np.random.default_rng([SEED, step])
-        rows = torch.from_numpy(g.choice(N_WINDOWS, BATCH, replace=False))
+        # Half of every batch is corpus text, half the target's own greedy continuations.
+        rows = torch.from_numpy(g.choice(N_WINDOWS, BATCH // 2, replace=False))
+        grows = torch.from_numpy(g.choice(N_GENERATED, BATCH // 2, replace=False))
+        ids = torch.cat([data["ids"][rows], gen["ids"][grows]])
+        taps = torch.cat([data["taps"][rows], gen["taps"][grows]])
         anchors = torch.from_numpy(np.sort(g.choice(np.arange(1, SEQ_LEN - N_TRAIN), ANCHORS, replace=False)))
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, args.steps)
-        loss, agree = dspark_loss(drafter, target, data["ids"][rows], data["taps"][rows], anchors, N_TRAIN)
+        loss, agree = dspark_loss(drafter, target, ids, taps, anchors, N_TRAIN)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

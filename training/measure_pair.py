@@ -1,0 +1,46 @@
+"""Step 7: acceptance of the shipped (converted) pair in the MLX runtime, on training/prompts.json.
+
+Greedy and sampled (temperature 1.0, top-p 0.95) speculation forced on, N = 3; pooled over all
+prompts: mean tokens per round (bonus included) and conditional acceptance by position.
+Speed comparisons are `mlx-dspark bench`'s job; this only counts. Runtime venv:
+
+    /work/venv/bin/python training/measure_pair.py [--max-tokens 64]
+"""
+import argparse
+import json
+from pathlib import Path
+
+import mlx_dspark as md
+
+PROMPTS = json.loads((Path(__file__).parent / "prompts.json").read_text())
+
+
+def pooled(pair, prompts, max_tokens, **sampling):
+    rounds = tokens = 0
+    tested, accepted = [0, 0, 0], [0, 0, 0]
+    for i, prompt in enumerate(prompts):
+        s = md.generate(pair, prompt, max_tokens=max_tokens, speculative=True, num_draft=3,
+                        seed=i, **sampling).stats
+        rounds += s["rounds"]
+        tokens += s["mean_tokens_per_round"] * s["rounds"]
+        for j in range(3):
+            tested[j] += s["tested_by_position"][j]
+            accepted[j] += round(s["acceptance_by_position"][j] * s["tested_by_position"][j]) if s["tested_by_position"][j] else 0
+    return {"rounds": rounds, "mean_tokens_per_round": round(tokens / rounds, 3),
+            "acceptance_by_position": [round(a / t, 3) if t else None for a, t in zip(accepted, tested)]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    pair = md.load()
+    report = {}
+    for name, sampling in (("greedy", {}), ("t1.0_p0.95", {"temperature": 1.0, "top_p": 0.95})):
+        for group in ("code", "text"):
+            report[f"{name}/{group}"] = pooled(pair, PROMPTS[group], args.max_tokens, **sampling)
+            print(f"{name}/{group}", json.dumps(report[f"{name}/{group}"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
