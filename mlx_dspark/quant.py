@@ -73,8 +73,10 @@ class ScaledLinear(nn.Module):
 
 
 def FP8Linear(weight_fp8, weight_scale, dtype=mx.bfloat16, bias=None) -> ScaledLinear:
-    """Per-tensor FP8: decoded once at load (measured faster than decoding per call, and
-    exact in any float dtype); the per-tensor scale multiplies the output."""
+    """Per-tensor FP8: decoded once at load (exact in any float dtype); the per-tensor scale
+    multiplies the output. Decoding per call instead was measured 2.5-11x slower on the CPU
+    (a 10304x2688 in_proj, fp32: 63 vs 693 ms for 1 token, 542 vs 1398 ms for 8), at 2x (bf16)
+    or 4x (fp32) the FP8 weight memory."""
     return ScaledLinear(fp8_e4m3_to_float(weight_fp8, dtype), weight_scale, bias)
 
 
