@@ -503,6 +503,12 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
         raise FileNotFoundError(f"{cfg_path}: missing") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if "quantization" not in raw and ("quantization_config" in raw or
+                                      os.path.exists(os.path.join(path, "hf_quant_config.json"))):
+        # ModelOpt's own layout (U8 nibbles, F8 block scales) is not ours: refuse rather than
+        # misread NVFP4 block scales as FP8 weights.
+        raise ValueError(f"{cfg_path}: a quantized export not converted to the MLX layout; "
+                         "run `mlx-dspark convert` on it first")
     cfg = TargetConfig.from_dict(raw, cfg_path)
     w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}

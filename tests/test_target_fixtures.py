@@ -110,3 +110,8 @@ def test_incremental_decoding_matches_transformers(export, converted):
     logits = np.array(mx.concatenate(parts, axis=1)[0])
     assert _rel(logits, ref["logits_2"]) < 1e-5
     assert (logits.argmax(-1) == ref["logits_2"].argmax(-1)).all()
+
+
+def test_an_unconverted_modelopt_export_is_refused():
+    with pytest.raises(ValueError, match="mlx-dspark convert"):
+        load_target(str(FIX / "modelopt" / "target_w4a16"))
