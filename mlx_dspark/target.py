@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 

@@ -1,10 +1,9 @@
-"""Tiny random Nemotron-H models shared by the target tests and benchmark: the same weights
+"""Tiny random Nemotron-H models for the target tests: the same weights
 for our target and for mlx-lm's ``nemotron_h`` (an independent implementation)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
