@@ -44,6 +44,11 @@ from .quant import make_experts, make_linear
 SERIAL_MAX = 8
 """Longest block whose SSM recurrence runs position by position (covers N+1 <= 8 verify)."""
 
+PREFILL_STEP = 2048
+"""Longest piece a cached step feeds through the model at once (longer prompts go in pieces):
+bounds the attention scores, which MLX's CPU attention materializes (heads x T x L). A
+multiple of Nemotron's Mamba chunk size (128), so the scan's chunking is unchanged."""
+
 _BLOCK_CHARS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*",
                 "attention": "*", "mlp": "-"}
 
@@ -415,7 +420,17 @@ class NemotronH(nn.Module):
         """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``."""
         if cache.pending is not None:
             raise RuntimeError("commit() the last verify before stepping again")
-        return self._forward(tokens, cache, tap_layers, False)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.shape[1] <= PREFILL_STEP:
+            return self._forward(tokens, cache, tap_layers, False)
+        pieces = []
+        for s in range(0, tokens.shape[1], PREFILL_STEP):
+            pieces.append(self._forward(tokens[:, s:s + PREFILL_STEP], cache, tap_layers, False))
+            mx.eval(pieces[-1])                  # free this piece's scores before the next
+        logits = mx.concatenate([p[0] for p in pieces], axis=1)
+        taps = mx.concatenate([p[1] for p in pieces], axis=-2) if tap_layers else None
+        return logits, taps
 
     def verify(self, tokens, cache: TargetCache, tap_layers=None):
         """Like :meth:`step` over ``[bonus, d1..dN]``, remembering what :meth:`commit`

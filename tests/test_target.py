@@ -141,6 +141,19 @@ def test_incremental_decoding_equals_full_forward(twins):
     assert cache.offset == 48
 
 
+def test_long_steps_are_fed_in_pieces_with_the_same_result(twins, monkeypatch):
+    import mlx_dspark.target as target
+    ours, _ = twins
+    toks = _tokens(70)
+    whole, whole_taps = ours.step(toks, ours.make_cache(), tap_layers=(0, 4))
+    monkeypatch.setattr(target, "PREFILL_STEP", 32)       # 2 chunks of 16 per piece
+    cache = ours.make_cache()
+    split, split_taps = ours.step(toks, cache, tap_layers=(0, 4))
+    assert cache.offset == 70 and split.shape == whole.shape
+    assert split_taps.shape == whole_taps.shape == (70, 128)
+    assert _rel(split, whole) < 1e-6 and _rel(split_taps, whole_taps) < 1e-6
+
+
 def test_taps_are_the_pre_norm_residual_stream_of_the_chosen_layers(twins):
     ours, ref = twins
     toks = _tokens(12)
