@@ -31,6 +31,10 @@ DEMO_SHAPE = dict(pattern="MEM*EM", vocab_size=4096, hidden_size=192, intermedia
                   ssm_state_size=32)
 
 
+CODE_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):",
+                "class Stack:\n    def __init__(self):"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--demo", action="store_true", help="use the embedded demo target")
@@ -40,19 +44,25 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    pair = None
     if args.demo:
         import mlx_dspark as md
         pair = md.load()
-        target, label = pair.target, "demo target"
+        target, label = pair.target, "demo pair (a demonstration model, not Nemotron)"
     else:
         target, label = tiny_target(seed=0, **DEMO_SHAPE), "random demo-shaped target (fp32)"
     vocab = target.config.vocab_size
     taps = (1, 3, len(target.config.hybrid_override_pattern) - 1)
     useless = random_drafter(target, layers=2, window=256, tap_layers=taps)
-    prompts = [[(37 * i + 11 * k) % (vocab - 2) + 1 for i in range(24 + 40 * k)]
-               for k in range(args.prompts)]
+    if pair is not None:     # code completions, where the demo drafter was trained to shine
+        prompts = [pair.tokenizer.encode(t) for t in CODE_PROMPTS[:args.prompts]]
+    else:
+        prompts = [[(37 * i + 11 * k) % (vocab - 2) + 1 for i in range(24 + 40 * k)]
+                   for k in range(args.prompts)]
 
     cases = {"useless drafter (random weights)": lambda p, ref: useless}
+    if pair is not None:
+        cases["demo drafter (trained)"] = lambda p, ref: pair.drafter
     for alpha in (0.9, 0.7, 0.5):
         cases[f"oracle, acceptance {alpha}"] = (
             lambda p, ref, a=alpha: OracleDrafter(ref, vocab, a, inner=useless, seed=1))
