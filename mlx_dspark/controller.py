@@ -22,18 +22,19 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
   ``PROBE_MAX``), and never probe so often that probes would cost more than
   ``PROBE_BUDGET`` of serial time (a probe loses ``round_cost - E`` serial steps), so a
-  useless drafter costs a vanishing share of serial time. Switching on
-  resets the interval to ``PROBE_MIN``, and so does a probe that lands between the
-  thresholds (promising, but not yet convincing).
+  useless drafter costs a vanishing share of serial time. Switching on resets the interval
+  to ``PROBE_MIN``, and so does a probe that lands between the thresholds (promising, but
+  not yet convincing).
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
 accepted) ``tested_i += 1`` and ``accepted_i += [accepted]``, and all counts are multiplied by
 ``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + 1/4) /
 (tested_i + 1/2)``: a prior worth half a test, so positions never tested count as 1/2, one
-success already says 0.83, and a useless drafter's estimate sinks to ~0.01. Ageing by tokens (not by tests) matters: after a long
-serial stretch the old evidence has faded, so a single probe decides on what the content is
-*now*, which is what lets a change of content switch speculation back on.
+success already says 0.83, and a useless drafter's estimate sinks to ~0.01. Ageing by tokens
+(not by tests) matters: after a long serial stretch the old evidence has faded, so a single
+probe decides on what the content is *now*, which is what lets a change of content switch
+speculation back on.
 
 ``t_serial`` is the median of the last ``COST_WINDOW`` serial steps and ``r`` the median of the
 last ``COST_WINDOW`` round ratios (each round's wall time over the ``t_serial`` of that moment):

@@ -96,8 +96,9 @@ def test_speculative_greedy_equals_serial_greedy_on_an_nvfp4_target(pair, n):
     for prompt in PROMPTS:
         ids = pair.tokenizer.encode(prompt)
         ref = list(decode(pair.target, None, ids, max_tokens=24, speculative=False))
-        for drafter in (pair.drafter, OracleDrafter(ids + ref, vocab, 0.6, seed=n,
-                                                    target_layer_ids=pair.drafter.target_layer_ids)):
+        oracle = OracleDrafter(ids + ref, vocab, 0.6, seed=n,
+                               target_layer_ids=pair.drafter.target_layer_ids)
+        for drafter in (pair.drafter, oracle):
             stats = Stats()
             out = list(decode(pair.target, drafter, ids, max_tokens=24, num_draft=n,
                               speculative=True, stats=stats))
