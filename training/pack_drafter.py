@@ -9,25 +9,26 @@ input, so the exporter gives them one weight_scale_2), `_export_quantized_weight
 
     /work/venv-fx/bin/python training/pack_drafter.py   # work/drafter_torch -> work/drafter_nvfp4
 """
-import copy
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-import modelopt.torch.quantization as mtq
 from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
-from modelopt.torch.export.quant_utils import get_quant_config, postprocess_state_dict, preprocess_linear_fusion
-from modelopt.torch.export.unified_export_hf import _export_quantized_weight
 
 from data import WORK
 from drafter_model import DrafterConfig, DSparkDrafter
 from tokenizer import TOK_DIR
 
+# One packing routine for the fixtures and the demo pair: tests/fixtures/dspark_drafter_export.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+from dspark_drafter_export import pack  # noqa: E402
+
 SRC = WORK / "drafter_torch"
 OUT = WORK / "drafter_nvfp4"
-NVFP4_LINEARS = ("fc", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "markov_head.markov_w2")
 DEMO_LABEL = ("mlx-dspark demonstration drafter trained on the Python standard library; "
               "a demonstration model, not Nemotron and not NVIDIA's DSpark release")
 
@@ -82,34 +83,6 @@ def nvidia_config(c: DrafterConfig, target_cfg: dict) -> dict:
         "eos_token_id": 2,
         "dtype": "bfloat16",
     }
-
-
-def quant_cfg():
-    cfg = copy.deepcopy(mtq.W4A16_NVFP4_CFG)
-    cfg["quant_cfg"] = cfg["quant_cfg"] + [{"quantizer_name": "*self_attn*", "enable": False}]
-    return cfg
-
-
-def pack(model: DSparkDrafter):
-    """ModelOpt-quantize and export the module tree in place; return the tensors to save."""
-    model = model.to(torch.bfloat16).eval()
-    linears = [m for n, m in model.named_modules() if n.endswith(NVFP4_LINEARS)]
-
-    def forward_loop(m):  # weight-only: any input calibrates the weight amax
-        with torch.no_grad():
-            for lin in linears:
-                lin(torch.ones(1, lin.in_features, dtype=torch.bfloat16))
-
-    mtq.quantize(model, quant_cfg(), forward_loop)
-    hf_quant_config = get_quant_config(model)
-    with torch.no_grad():
-        for layer in model.layers:
-            preprocess_linear_fusion([layer.mlp.gate_proj, layer.mlp.up_proj])
-        for _, module in model.named_modules():
-            if hasattr(module, "weight_quantizer"):
-                _export_quantized_weight(module, torch.bfloat16)
-    state = postprocess_state_dict(model.state_dict(), 448, None)
-    return {k: v.contiguous() for k, v in sorted(state.items())}, hf_quant_config
 
 
 def main():
