@@ -5,7 +5,7 @@ non-streaming call returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -23,12 +23,17 @@ class Pair:
     target: object
     drafter: object = None
     tokenizer: object = None
+    # What the break-even controller learned in earlier calls (costs, acceptance): a fresh
+    # call starts from it instead of paying the warm-up round again.
+    controller: object = field(default=None, repr=False)
 
     def session(self) -> Session:
         """A reusable decoding state: pass it to successive calls whose prompts extend each
         other (a chat) and only the new tokens are prefilled. One live session per pair:
         a session owns the drafter's context while it is used."""
-        return Session(self.target, self.drafter)
+        session = Session(self.target, self.drafter)
+        session.controller = self.controller
+        return session
 
 
 @dataclass
@@ -104,6 +109,9 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
         detok.reset()
     shown = 0        # characters of the detokenized text already yielded
     text_end = None  # where a stop string cut the text
+    if session is None:
+        session = Session(pair.target, pair.drafter if speculative is not False else None)
+        session.controller = pair.controller
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
                     sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
@@ -128,6 +136,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
         yield Chunk(text[shown:safe], token, stats.as_dict())
         shown = max(shown, safe)
     tokens.close()
+    pair.controller = session.controller
     tail = ""
     if detok is not None and text_end is None:
         detok.finalize()

@@ -25,6 +25,9 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   useless drafter costs a vanishing share of serial time. Switching on resets the interval
   to ``PROBE_MIN``, and so does a probe that lands between the thresholds (promising, but
   not yet convincing).
+* A round emits at most ``N + 1`` tokens, so when ``(N + 1) / r < OFF`` no content can make
+  speculation pay on this machine: probes then come only every ``PROBE_MAX`` steps, to notice
+  a change of cost (load, context length).
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
@@ -163,10 +166,18 @@ class Controller:
             else:
                 self.probe_every = self._affordable(2 * self.probe_every)
 
+    def ceiling(self) -> float | None:
+        """The speedup of a round whose every draft is accepted: no content can beat it."""
+        return None if self.round_cost is None else (self.num_draft + 1) / self.round_cost
+
     def _affordable(self, steps: int) -> int:
         """A probe interval of at least ``steps`` whose probes cost at most PROBE_BUDGET of
         serial time: a probe costs ``round_cost`` steps and emits ``E`` tokens, so it loses
-        ``round_cost - E`` steps."""
+        ``round_cost - E`` steps. When even perfect acceptance could not reach ``OFF``, a
+        probe can only re-measure the cost (which moves with the load and the context), so
+        probe as rarely as allowed."""
+        if self.ceiling() < OFF:
+            return PROBE_MAX
         loss = self.round_cost - self.expected_tokens()
         return int(min(PROBE_MAX, max(steps, loss / PROBE_BUDGET)))
 

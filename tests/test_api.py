@@ -104,3 +104,14 @@ def test_speculative_greedy_equals_serial_greedy_on_an_nvfp4_target(pair, n):
                               speculative=True, stats=stats))
             assert out == ref
             assert stats.rounds > 0
+
+
+def test_a_fresh_call_starts_from_what_earlier_calls_learned(tmp_path):
+    # The converted fixture drafter has random weights: the first call learns that rounds
+    # don't pay; a second one-shot call must not pay the warm-up round again.
+    target_dir, drafter_dir = make_pair(tmp_path)
+    fresh = md.load(target_dir, drafter_dir)
+    first = md.generate(fresh, PROMPTS[1], max_tokens=24)
+    assert first.stats["rounds"] >= 1 and first.stats["mode"] == "serial"
+    second = md.generate(fresh, PROMPTS[2], max_tokens=10)
+    assert second.stats["rounds"] == 0 and second.stats["serial_steps"] == 9

@@ -121,3 +121,14 @@ def test_auto_with_an_oracle_drafter_speculates_and_follows_a_content_change(mon
     # off during the useless stretch, back on after the change (what happens next depends on
     # wall times on a shared CPU; the policy itself is tested exactly on simulated costs above)
     assert stats.switches >= 2
+
+
+def test_when_even_perfect_rounds_cannot_pay_probes_come_only_every_probe_max_steps():
+    # N=3 emits at most 4 tokens a round; a round costing 5 serial steps can never win,
+    # however good the drafter: probes are then only cost re-measurements.
+    c, kinds = simulate(3000, lambda i: 1.0, t_round=5.0)
+    assert c.ceiling() < C.OFF and not c.speculating
+    assert kinds[-2000:].sum() <= 2000 // C.PROBE_MAX + 1
+    # the same perfect drafter at an affordable round cost keeps speculating
+    c2, _ = simulate(3000, lambda i: 1.0, t_round=3.0)
+    assert c2.ceiling() > C.OFF and c2.speculating
