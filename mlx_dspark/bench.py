@@ -22,10 +22,11 @@ MODES = {"serial": False, "speculative": True, "auto": "auto"}
 
 
 def run_once(target, drafter, prompt, mode, max_tokens, num_draft=3, sampler=Sampler(),
-             seed=0) -> tuple[list[int], Stats]:
+             seed=0, session=None) -> tuple[list[int], Stats]:
     stats = Stats()
     tokens = list(decode(target, drafter, prompt, max_tokens=max_tokens, sampler=sampler,
-                         num_draft=num_draft, speculative=MODES[mode], seed=seed, stats=stats))
+                         num_draft=num_draft, speculative=MODES[mode], seed=seed, stats=stats,
+                         session=session))
     return tokens, stats
 
 
