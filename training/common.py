@@ -53,3 +53,14 @@ def perplexity(model, windows, batch_size=16):
         total += loss.item()
         count += x[:, 1:].numel()
     return math.exp(total / count)
+
+
+def resume(ckpt, model, opt) -> int:
+    """Load model and optimizer state from ``ckpt`` if it exists; return the step to go on from."""
+    if not ckpt.exists():
+        return 0
+    ck = torch.load(ckpt)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    print(f"resumed at step {ck['step']}")
+    return ck["step"]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import SEQ_LEN, THREADS, tokens
+from common import SEQ_LEN, THREADS, resume, tokens
 from data import WORK
 from drafter_model import DrafterConfig, DSparkDrafter, block_mask
 from export_target import load_dequantized
@@ -188,13 +188,7 @@ def main():
     drafter = make_drafter(target, mask_token_id())
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
-    step = 0
-    if CKPT.exists():
-        ck = torch.load(CKPT)
-        drafter.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        step = ck["step"]
-        print(f"resumed at step {step}")
+    step = resume(CKPT, drafter, opt)
     stop = args.stop_at or args.steps
     t0 = time.time()
     while step < stop:

@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from common import SEQ_LEN, THREADS, batch, heldout_windows, perplexity, tokens
+from common import SEQ_LEN, THREADS, batch, heldout_windows, perplexity, resume, tokens
 from data import WORK
 from shapes import hf_config_kwargs
 
@@ -54,13 +54,7 @@ def main():
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95))
-    step = 0
-    if CKPT.exists():
-        ck = torch.load(CKPT)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        step = ck["step"]
-        print(f"resumed at step {step}")
+    step = resume(CKPT, model, opt)
     model.train()
     stop = args.stop_at or args.steps
     t0, seen = time.time(), 0
@@ -86,7 +80,7 @@ def main():
     print(f"held-out perplexity {ppl:.3f}")
     model.save_pretrained(OUT)
     (OUT / "training_report.json").write_text(json.dumps(
-        {"steps": step, "schedule_steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "heldout_ppl": ppl})))
+        {"steps": step, "schedule_steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "heldout_ppl": ppl}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
