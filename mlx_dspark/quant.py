@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-GROUP_SIZE = 16
+from .converter.layout import GROUP_SIZE
 
 
 def fp8_e4m3_to_float(raw: mx.array, dtype=mx.float32) -> mx.array:

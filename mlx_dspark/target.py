@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
+from .converter.layout import decode_float, layer_pattern
 from .kernels import mamba as K
 from .quant import make_experts, make_linear
 
@@ -48,9 +49,6 @@ PREFILL_STEP = 2048
 """Longest piece a cached step feeds through the model at once (longer prompts go in pieces):
 bounds the attention scores, which MLX's CPU attention materializes (heads x T x L). A
 multiple of Nemotron's Mamba chunk size (128), so the scan's chunking is unchanged."""
-
-_BLOCK_CHARS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*",
-                "attention": "*", "mlp": "-"}
 
 
 @dataclass
@@ -91,10 +89,10 @@ class TargetConfig:
         pattern = d.pop("hybrid_override_pattern", None)
         kinds = d.pop("layers_block_type", None) or d.pop("layer_types", None)
         if pattern is None and kinds is not None:
-            unknown = sorted(set(kinds) - _BLOCK_CHARS.keys())
-            if unknown:
-                raise ValueError(f"{source}: unknown layers_block_type entries {unknown}")
-            pattern = "".join(_BLOCK_CHARS[k] for k in kinds)
+            try:
+                pattern = layer_pattern(kinds)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
         if pattern is None:
             raise ValueError(f"{source}: needs hybrid_override_pattern or layers_block_type")
         pattern = "".join(pattern)
@@ -110,14 +108,8 @@ class TargetConfig:
             raise ValueError(f"{source}: missing {', '.join(missing)}")
         limit = known.get("time_step_limit")
         if limit is not None:
-            known["time_step_limit"] = tuple(_as_float(v) for v in limit)
+            known["time_step_limit"] = tuple(decode_float(v) for v in limit)
         return cls(hybrid_override_pattern=pattern, extra=d, **known)
-
-
-def _as_float(v):
-    if isinstance(v, dict) and "__float__" in v:     # ModelOpt's serialization of inf
-        return float(v["__float__"])
-    return float(v)
 
 
 # ------------------------------------------------------------------------------- caches
