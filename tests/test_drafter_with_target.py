@@ -15,7 +15,8 @@ from reference_drafter import ReferenceDrafter, read_safetensors  # noqa: E402
 from target_helpers import (hf_weights_from_mlx_lm, quantize_like_modelopt,  # noqa: E402
                             random_mlx_lm_model, tiny_config)
 
-from mlx_dspark.drafter import DrafterError, load_drafter  # noqa: E402
+from mlx_dspark.drafter import load_drafter  # noqa: E402
+from mlx_dspark.drafter_config import DrafterError  # noqa: E402
 from mlx_dspark.target import NemotronH, TargetConfig  # noqa: E402
 
 FP32_TOL = 1e-5  # as in test_drafter.py
