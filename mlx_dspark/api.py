@@ -27,13 +27,12 @@ class Pair:
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
 
-    def session(self) -> Session:
+    def session(self, speculative="auto") -> Session:
         """A reusable decoding state: pass it to successive calls whose prompts extend each
         other (a chat) and only the new tokens are prefilled. One live session per pair:
-        a session owns the drafter's context while it is used."""
-        session = Session(self.target, self.drafter)
-        session.controller = self.controller
-        return session
+        a session owns the drafter's context while it is used. The pair keeps what the
+        session's controller learns."""
+        return Session(self.target, self.drafter, speculative, home=self)
 
 
 @dataclass
@@ -110,8 +109,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     shown = 0        # characters of the detokenized text already yielded
     text_end = None  # where a stop string cut the text
     if session is None:
-        session = Session(pair.target, pair.drafter if speculative is not False else None)
-        session.controller = pair.controller
+        session = pair.session(speculative)
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
                     sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
@@ -136,7 +134,6 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
         yield Chunk(text[shown:safe], token, stats.as_dict())
         shown = max(shown, safe)
     tokens.close()
-    pair.controller = session.controller
     tail = ""
     if detok is not None and text_end is None:
         detok.finalize()

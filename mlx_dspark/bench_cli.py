@@ -94,11 +94,8 @@ def measure(pair, prompts, args) -> dict:
         # "auto" runs as successive generate() calls on one pair do: each starts from what
         # the pair's controller learned in the calls before it.
         session = pair.session() if mode == "auto" else None
-        out = bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
-                             args.num_draft, seed=seed, session=session)
-        if session is not None:
-            pair.controller = session.controller
-        return out
+        return bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
+                              args.num_draft, seed=seed, session=session)
 
     encoded = [ids(d, t) for d, t in prompts]
     _progress("warming up")

@@ -16,8 +16,7 @@ import signal
 import sys
 
 from . import api
-from .commands import format_acceptance, generation_kwargs
-from .speculative import Session
+from .commands import SPECULATIVE, format_acceptance, generation_kwargs
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
@@ -116,9 +115,7 @@ def status_line(stats: dict) -> str:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        # with speculation off the drafter is never asked, so the session feeds it no taps
-        self.session = pair.session() if args.speculative != "off" else \
-            Session(pair.target, None)
+        self.session = pair.session(SPECULATIVE[args.speculative])
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
                                          args.system)

@@ -80,7 +80,7 @@ def load_pair(args: argparse.Namespace):
         raise CommandError(_one_line(e)) from None
     if args.speculative == "on" and pair.drafter is None:
         raise CommandError("--speculative on needs a drafter (--drafter DIR)")
-    most = pair.drafter.config.block_size - 1 if pair.drafter is not None else None
+    most = pair.drafter.max_draft if pair.drafter is not None else None
     if most is not None and args.num_draft > most:
         raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
                            f"{most} tokens per round (its block_size is {most + 1})")

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checkpoint import check_receipt
 from .converter.layout import decode_float, layer_pattern
 from .kernels import mamba as K
 from .quant import make_experts, make_linear
@@ -175,6 +176,23 @@ class TargetCache:
 
     def __getitem__(self, i):
         return self.layers[i]
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the cache holds (to evaluate pending rollback work)."""
+        return _arrays(self)
+
+
+def _arrays(cache):
+    """Every array held by a target cache (to evaluate pending rollback work)."""
+    if isinstance(cache, mx.array):
+        return [cache]
+    if isinstance(cache, (list, tuple)):
+        return [x for c in cache for x in _arrays(c)]
+    if isinstance(cache, dict):
+        return [x for c in cache.values() for x in _arrays(c)]
+    if hasattr(cache, "__dict__"):
+        return [x for c in vars(cache).values() for x in _arrays(c)]
+    return []
 
 
 # ------------------------------------------------------------------------------- blocks
@@ -405,6 +423,12 @@ class NemotronH(nn.Module):
         """Full forward without cache: ``tokens [1, T] -> logits [1, T, V]``."""
         return self._forward(tokens, None, None, False)[0]
 
+    @property
+    def context_limit(self) -> int | None:
+        """Maximum sequence length the config declares (max_position_embeddings), if any."""
+        limit = self.config.extra.get("max_position_embeddings")
+        return int(limit) if limit else None
+
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
 
@@ -516,6 +540,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
         raise ValueError(f"{cfg_path}: a quantized export not converted to the MLX layout; "
                          "run `mlx-dspark convert` on it first")
     cfg = TargetConfig.from_dict(raw, cfg_path)
+    check_receipt(path)
     w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
