@@ -82,15 +82,17 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                    session: Session | None = None) -> Iterator[Chunk]:
+                    session: Session | None = None,
+                    chat_template_kwargs: dict | None = None) -> Iterator[Chunk]:
     """Yield one chunk per generated token, then a final chunk (token None).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
-    list of chat messages, or a list of token ids used verbatim. ``stop``: extra stop token
+    list of chat messages, or a list of token ids used verbatim; ``chat_template_kwargs``
+    (such as ``{"enable_thinking": False}``) go to the chat template. ``stop``: extra stop token
     ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
     part of the output; a stop string ends the text just before it (the token that completed it
     is kept in ``tokens``)."""
-    prompt_ids = _prompt_ids(pair, prompt, chat)
+    prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     stop_strings = [s for s in stop if isinstance(s, str)]
     stop_tokens = {s for s in stop if not isinstance(s, str)}
@@ -156,14 +158,14 @@ def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
     return Result("".join(text), tokens, stats)
 
 
-def _prompt_ids(pair: Pair, prompt, chat: bool) -> list[int]:
+def _prompt_ids(pair: Pair, prompt, chat: bool, options: dict | None) -> list[int]:
     if not prompt:
         raise ValueError("empty prompt: give some text or at least one token id")
     if all(isinstance(t, int) for t in prompt):
         return list(prompt)
     if pair.tokenizer is None:
         raise ValueError("text prompts need a tokenizer; this pair has none")
-    return encode(pair.tokenizer, prompt, chat)
+    return encode(pair.tokenizer, prompt, chat, options)
 
 
 def _find_stop(text: str, stop_strings, start: int) -> int | None:

@@ -16,7 +16,7 @@ import platform
 import sys
 import time
 
-from .commands import CommandError, load_pair
+from .cli_support import CommandError, load_pair
 
 # Short prompts written for this benchmark. Code prompts are completions (the demo pair is a
 # code model); math and chat prompts go through the chat template when the model has one.
@@ -83,7 +83,7 @@ def _domains(spec: str | None) -> list[str]:
 
 def measure(pair, prompts, args) -> dict:
     from . import bench
-    from .chat import encode_chat
+    from .tokenizer import encode_chat
 
     def ids(domain, text):
         if domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False):

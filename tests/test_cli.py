@@ -363,7 +363,8 @@ def test_next_turn_prompt_extends_the_previous_ids_exactly(tokenizer):
 
 
 def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
-    from mlx_dspark.chat import Conversation, template_options
+    from mlx_dspark.chat import Conversation
+    from mlx_dspark.tokenizer import template_options
 
     on, off = template_options(tokenizer, "on"), template_options(tokenizer, "off")
     assert on == {"enable_thinking": True} and off == {"enable_thinking": False}
