@@ -1,25 +1,19 @@
-"""A converted directory as the runtime reads it: the receipt check, the weight files, the
-drafter's tensor checks and the weight-load gate (every tensor a model holds compared with the
-bytes in the file, read again by an independent parser). The layout itself is
-converter/layout.py's."""
+"""A converted directory as the runtime reads it: the receipt check, the weight files and the
+weight-load gate (every tensor a model holds compared with the bytes in the file, read again
+by an independent parser). The layout itself is converter/layout.py's."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
 from .converter.layout import GROUP_SIZE, RECEIPT_NAME, read_receipt, weight_files
-from .quant import ScaledLinear, module_format
-
-if TYPE_CHECKING:
-    from .drafter_config import DrafterConfig
+from .quant import ScaledLinear
 
 
 class CheckpointError(ValueError):
@@ -71,87 +65,7 @@ def read_weights(path: str) -> tuple[dict, dict]:
     return weights, origin
 
 
-def _expected_linears(cfg: DrafterConfig) -> dict:
-    """prefix -> (out, in) for every linear module of the drafter."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    lin = {"fc": (h, h * len(cfg.target_layer_ids)),
-           "markov_head.markov_w2": (cfg.vocab_size, cfg.markov_rank)}
-    for i in range(cfg.num_layers):
-        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        lin.update({f"{a}.q_proj": (cfg.num_heads * hd, h), f"{a}.k_proj": (cfg.num_kv_heads * hd, h),
-                    f"{a}.v_proj": (cfg.num_kv_heads * hd, h), f"{a}.o_proj": (h, cfg.num_heads * hd),
-                    f"{m}.gate_proj": (cfg.intermediate_size, h), f"{m}.up_proj": (cfg.intermediate_size, h),
-                    f"{m}.down_proj": (h, cfg.intermediate_size)})
-    return lin
-
-
-def _expected_plain(cfg: DrafterConfig) -> dict:
-    """name -> shape for every non-linear tensor."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    shapes = {"hidden_norm.weight": (h,), "norm.weight": (h,),
-              "markov_head.markov_w1.weight": (cfg.vocab_size, cfg.markov_rank)}
-    if cfg.has_embed_tokens:
-        shapes["embed_tokens.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
-        shapes.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-                       f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
-        if cfg.attention_sinks:
-            shapes[f"{p}.self_attn.attention_sink_bias"] = (cfg.num_heads,)
-    return shapes
-
-
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
-
-
-def check_tensors(cfg: DrafterConfig, weights: dict, origin: dict, path: str, declared: dict):
-    """Every expected tensor present with the right dtype and shape, nothing unexpected."""
-    def where(name):
-        return origin.get(name, path)
-
-    expected = set()
-    for name, shape in _expected_plain(cfg).items():
-        expected.add(name)
-        if name not in weights:
-            raise CheckpointError(f"{path}: missing tensor {name}")
-        w = weights[name]
-        if tuple(w.shape) != shape or w.dtype not in _FLOATS:
-            raise CheckpointError(f"{where(name)}: tensor {name} is {w.dtype} {tuple(w.shape)}, "
-                                   f"expected a float tensor of shape {shape}")
-    for prefix, (out, inp) in _expected_linears(cfg).items():
-        # The converter's declaration wins (so a lost scale tensor reads as missing, not as
-        # a dense layer); undeclared modules go by the tensors present.
-        fmt = declared.get(prefix, module_format(weights, prefix))
-        fmt = {"bf16": "dense", "float16": "dense", "float32": "dense"}.get(fmt, fmt)
-        if fmt not in ("nvfp4", "fp8", "dense"):
-            raise CheckpointError(f"{path}: config.json declares {prefix} as {fmt!r} "
-                                   "(expected nvfp4, fp8, bf16, float16 or float32)")
-        if fmt == "nvfp4":
-            want = {".weight": (mx.uint32, (out, inp // 8)),
-                    ".scales": (mx.uint8, (out, inp // GROUP_SIZE)),
-                    ".weight_scale_2": (mx.float32, ())}
-        elif fmt == "fp8":
-            want = {".weight": (mx.uint8, (out, inp)), ".weight_scale": (mx.float32, ())}
-        else:
-            want = {".weight": (None, (out, inp))}
-        if fmt != "dense" and inp % GROUP_SIZE:
-            raise CheckpointError(f"{path}: {prefix} has {inp} inputs, not a multiple of {GROUP_SIZE}")
-        for suffix, (dtype, shape) in want.items():
-            name = prefix + suffix
-            expected.add(name)
-            if name not in weights:
-                raise CheckpointError(f"{path}: missing tensor {name} ({fmt} {prefix})")
-            w = weights[name]
-            ok_dtype = w.dtype in _FLOATS if dtype is None else w.dtype == dtype
-            if tuple(w.shape) != shape or not ok_dtype:
-                raise CheckpointError(f"{where(name)}: tensor {name} is {w.dtype} {tuple(w.shape)}, "
-                                       f"expected {dtype or 'float'} {shape}")
-        if f"{prefix}.bias" in weights:
-            expected.add(f"{prefix}.bias")
-    extra = sorted(set(weights) - expected)
-    if extra:
-        raise CheckpointError(f"{path}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}"
-                               " (not part of NVIDIA's DSpark layout as configured)")
 
 
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,

@@ -25,10 +25,9 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import (_embedding_identical, check_receipt, check_tensors, read_weights,
-                         weight_gate)
+from .checkpoint import _embedding_identical, check_receipt, read_weights, weight_gate
 from .converter.layout import LAYOUT
-from .drafter_config import DrafterConfig, DrafterError, check_fits, parse_config
+from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
 from .kernels.attention import sink_attention, window_mask
 from .quant import make_linear
 from .sampling import draw, warp

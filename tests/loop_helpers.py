@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_dspark import checkpoint as C
 from mlx_dspark import drafter as D
-from mlx_dspark.drafter_config import DrafterConfig
+from mlx_dspark import drafter_config as DC
 from mlx_dspark.speculative import decode
 from mlx_dspark.target import NemotronH, TargetConfig
 from target_helpers import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
@@ -23,7 +22,7 @@ def tiny_target(seed=0, dtype=mx.float32, **over) -> NemotronH:
 def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.Drafter:
     """NVIDIA's drafter layout at toy size, every weight random (dense float32)."""
     tc = target.config
-    cfg = DrafterConfig(
+    cfg = DC.DrafterConfig(
         hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_layers=layers,
         num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=tc.vocab_size, rms_norm_eps=1e-6,
         rope_theta=10000.0, windows=(window,) * layers, attention_sinks=True, block_size=8,
@@ -32,10 +31,10 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
         has_embed_tokens=False)
     mx.random.seed(seed)
     w = {}
-    for name, shape in C._expected_plain(cfg).items():
+    for name, shape in DC._expected_plain(cfg).items():
         w[name] = (1.0 + 0.1 * mx.random.normal(shape)) if name.endswith("norm.weight") \
             else mx.random.normal(shape) * 0.3
-    for prefix, (out, inp) in C._expected_linears(cfg).items():
+    for prefix, (out, inp) in DC._expected_linears(cfg).items():
         w[prefix + ".weight"] = mx.random.normal((out, inp)) * inp ** -0.5
     drafter = D.Drafter(cfg, w, target, mx.float32, share_embedding=True)
     mx.eval(drafter.parameters())
