@@ -1,4 +1,5 @@
-"""TEST-ONLY drafter with a chosen acceptance rate (never shipped, never used by the API).
+"""A drafter with a chosen acceptance rate, for the controller tests and the loop benchmark
+(never used by the API).
 
 It knows the target's greedy continuation in advance (``reference``: the prompt followed by
 the serial greedy output of the same target), and at each drafted position proposes the

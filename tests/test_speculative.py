@@ -5,9 +5,10 @@ session reuse behave exactly as in serial decoding."""
 import mlx.core as mx
 import pytest
 
-from loop_helpers import random_drafter, serial_greedy, tiny_target, top2_gap
+from loop_helpers import serial_greedy, top2_gap
+from mlx_dspark.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Sampler, Session, Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 # A greedy divergence is only legitimate where the target's own top-2 logits are this close:
 # the verify pass (N+1 positions) and a serial step compute the same math in a different
