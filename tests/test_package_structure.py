@@ -99,3 +99,18 @@ def test_help_convert_and_the_cli_helpers_do_not_load_mlx(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file()
     # and the probe does see MLX when it is loaded
     assert _loads_mlx("import mlx_dspark.speculative", tmp_path)
+
+
+def test_nothing_outside_tests_imports_from_tests():
+    helpers = {f.stem for f in (ROOT / "tests").rglob("*.py")}
+    for folder in ("mlx_dspark", "converter", "kernels", "benchmarks", "training"):
+        for f in (ROOT / folder).rglob("*.py"):
+            text = f.read_text()
+            assert "tests" not in "".join(line for line in text.splitlines()
+                                          if "sys.path" in line), f"{f}: puts tests/ on sys.path"
+            for node in ast.walk(ast.parse(text, str(f))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and not node.level
+                         else [])
+                bad = [n for n in names if n and n.split(".")[0] in helpers]
+                assert not bad, f"{f}: imports {bad} from tests/"
