@@ -479,9 +479,9 @@ class NemotronH(nn.Module):
 
 def default_dtype():
     """bf16 on Metal. float32 on MLX's CPU backend, where it is the faster choice (measured,
-    benchmarks/bench_target.py and quant.NVFP4_POLICY): the CPU nvfp4 kernels and
-    ``gather_qmm`` are 5-8x slower with bf16 activations, ``gather_mm`` accepts only float32,
-    and only float32 matmuls go through BLAS."""
+    docs/measurements.md): the CPU nvfp4 kernels and ``gather_qmm`` are several times slower
+    with bf16 activations, ``gather_mm`` accepts only float32, and only float32 matmuls go
+    through BLAS."""
     return mx.bfloat16 if mx.metal.is_available() else mx.float32
 
 
