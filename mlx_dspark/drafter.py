@@ -29,7 +29,7 @@ from .checkpoint import _embedding_identical, check_receipt, read_weights, weigh
 from .converter.layout import LAYOUT
 from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
 from .kernels.attention import sink_attention, window_mask
-from .quant import make_linear
+from .quant import Weights
 from .sampling import draw, warp
 
 
@@ -48,14 +48,14 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig, w: dict, p: str, dtype, nvfp4, window):
+    def __init__(self, cfg: DrafterConfig, w: Weights, p: str, window):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            make_linear(w, f"{p}.{n}", dtype, nvfp4) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.q_norm = Norm(w[f"{p}.q_norm.weight"].astype(dtype), cfg.rms_norm_eps)
-        self.k_norm = Norm(w[f"{p}.k_norm.weight"].astype(dtype), cfg.rms_norm_eps)
+            w.linear(f"{p}.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.q_norm = Norm(w.cast(f"{p}.q_norm.weight"), cfg.rms_norm_eps)
+        self.k_norm = Norm(w.cast(f"{p}.k_norm.weight"), cfg.rms_norm_eps)
         if cfg.attention_sinks:
-            self.attention_sink_bias = w[f"{p}.attention_sink_bias"].astype(dtype)
+            self.attention_sink_bias = w.cast(f"{p}.attention_sink_bias")
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
         self.window = window
@@ -87,24 +87,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, w, p, dtype, nvfp4):
+    def __init__(self, w: Weights, p: str):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            make_linear(w, f"{p}.{n}", dtype, nvfp4) for n in ("gate_proj", "up_proj", "down_proj"))
+            w.linear(f"{p}.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg, w, i, dtype, nvfp4):
+    def __init__(self, cfg, w: Weights, i):
         super().__init__()
         p = f"layers.{i}"
-        self.input_layernorm = Norm(w[f"{p}.input_layernorm.weight"].astype(dtype), cfg.rms_norm_eps)
-        self.post_attention_layernorm = Norm(w[f"{p}.post_attention_layernorm.weight"].astype(dtype),
+        self.input_layernorm = Norm(w.cast(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.post_attention_layernorm = Norm(w.cast(f"{p}.post_attention_layernorm.weight"),
                                              cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, w, f"{p}.self_attn", dtype, nvfp4, cfg.windows[i])
-        self.mlp = MLP(w, f"{p}.mlp", dtype, nvfp4)
+        self.self_attn = Attention(cfg, w, f"{p}.self_attn", cfg.windows[i])
+        self.mlp = MLP(w, f"{p}.mlp")
 
     def __call__(self, x, pos0, ctx_k, ctx_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), pos0, ctx_k, ctx_v, mask)
@@ -115,11 +115,11 @@ class MarkovHead(nn.Module):
     """``bias(prev) = W2 · W1[prev]``; computed in fp32 whatever the model dtype, because each
     drawn token feeds the next step."""
 
-    def __init__(self, w, nvfp4):
+    def __init__(self, w: Weights):
         super().__init__()
         self.markov_w1 = nn.Module()
         self.markov_w1.weight = w["markov_head.markov_w1.weight"]  # kept in its stored dtype
-        self.markov_w2 = make_linear(w, "markov_head.markov_w2", mx.float32, nvfp4)
+        self.markov_w2 = w.linear("markov_head.markov_w2", mx.float32)
 
     def __call__(self, prev):
         return self.markov_w2(self.markov_w1.weight[prev].astype(mx.float32))
@@ -133,11 +133,12 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.fc = make_linear(w, "fc", dtype, nvfp4)
-        self.hidden_norm = Norm(w["hidden_norm.weight"].astype(dtype), cfg.rms_norm_eps)
-        self.layers = [Layer(cfg, w, i, dtype, nvfp4) for i in range(cfg.num_layers)]
-        self.norm = Norm(w["norm.weight"].astype(dtype), cfg.rms_norm_eps)
-        self.markov_head = MarkovHead(w, nvfp4)
+        w = Weights(w, dtype, nvfp4)
+        self.fc = w.linear("fc")
+        self.hidden_norm = Norm(w.cast("hidden_norm.weight"), cfg.rms_norm_eps)
+        self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
+        self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(w)
         if not share_embedding:
             self.embed_tokens = nn.Module()
             self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use

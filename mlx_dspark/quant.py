@@ -15,6 +15,8 @@ is exact algebra, so nothing is re-rounded into the stored scales.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -198,3 +200,34 @@ def make_experts(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
         return DenseExperts(fp8_e4m3_to_float(weights[f"{prefix}.weight"], cdt),
                             weights[f"{prefix}.weight_scale"].astype(mx.float32))
     return DenseExperts(weights[f"{prefix}.weight"].astype(cdt))
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's tensors and how modules are built from them (the compute dtype and the
+    NVFP4 path): what the model constructors take instead of threading all three."""
+
+    tensors: dict
+    dtype: mx.Dtype = mx.float32
+    nvfp4: str | None = None
+
+    def __getitem__(self, name: str) -> mx.array:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, default=None):
+        return self.tensors.get(name, default)
+
+    def cast(self, name: str) -> mx.array:
+        """The tensor ``name`` in the compute dtype."""
+        return self.tensors[name].astype(self.dtype)
+
+    def linear(self, prefix: str, dtype=None) -> nn.Module:
+        """The linear layer under ``prefix`` (:func:`make_linear`), computing in ``dtype``
+        when given, else in the compute dtype."""
+        return make_linear(self.tensors, prefix, dtype or self.dtype, self.nvfp4)
+
+    def experts(self, prefix: str) -> nn.Module:
+        return make_experts(self.tensors, prefix, self.dtype)
