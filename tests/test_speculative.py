@@ -96,6 +96,18 @@ def test_empty_prompt_is_a_clear_error(target):
         next(decode(target, None, [], max_tokens=4))
 
 
+def test_num_draft_beyond_the_drafter_block_is_refused_before_any_token(target, refs):
+    drafter = random_drafter(target, seed=3)            # block_size 8: at most 7 drafts
+    assert drafter.max_draft == 7
+    with pytest.raises(ValueError, match="num_draft 8: this drafter proposes at most 7"):
+        next(decode(target, drafter, PROMPTS[1], max_tokens=4, num_draft=8))
+    # with speculation off the drafter is never asked, so any num_draft runs
+    prompt, ref = refs[1]
+    out = list(decode(target, drafter, prompt, max_tokens=LENGTH, num_draft=8,
+                      speculative=False))
+    assert out == ref
+
+
 def test_prompt_beyond_the_context_limit_is_a_clear_error_and_output_stops_at_it():
     short = tiny_target(seed=1, max_position_embeddings=12)
     with pytest.raises(ValueError, match="context limit is 12"):
