@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConversionError
+from .layout import BlockHash
 
 ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -205,7 +206,7 @@ class OutFile:
     def __init__(self, path: Path, hasher: ThreadPoolExecutor):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._sha = hashlib.sha256()
+        self._sha = BlockHash()
         self._hasher = hasher
         self.size = 0
 
@@ -233,14 +234,16 @@ class OutFile:
                 hashed.result()          # the window is unmapped after this iteration
             self.size += len(view)
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> dict:
+        """The file's receipt entry: size, sha256 and the per-block sha256s."""
         os.close(self._fd)
-        return self.size, self._sha.hexdigest()
+        return {"size": self.size, "sha256": self._sha.hexdigest(), "blocks": self._sha.blocks()}
 
 
 def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, str],
-                      files: SourceFiles, on_bytes=None) -> tuple[int, str]:
-    """Stream ``tensors`` (in the given order) into ``path``; returns (size, sha256)."""
+                      files: SourceFiles, on_bytes=None) -> dict:
+    """Stream ``tensors`` (in the given order) into ``path``; returns its receipt entry
+    (size, sha256, blocks)."""
     with ThreadPoolExecutor(1) as hasher:
         out = OutFile(path, hasher)
         try:
@@ -251,8 +254,8 @@ def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, 
                     if on_bytes is not None:
                         on_bytes(src.nbytes)
         finally:
-            size, sha = out.close()
-    return size, sha
+            entry = out.close()
+    return entry
 
 
 def sha256_file(path: Path, stop=None) -> tuple[int, str]:
