@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_support import (CommandError, _at_least, _one_line, _positive, add_model_arguments,
-                          add_sampling_arguments, format_stats, generation_kwargs, load_pair,
-                          require_chat_template)
+from .cli_support import (CatchInterrupt, CommandError, _at_least, _one_line, _positive,
+                          add_model_arguments, add_sampling_arguments, format_stats,
+                          generation_kwargs, load_pair, require_chat_template, utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,7 +38,10 @@ def run_generate(args: argparse.Namespace) -> int:
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             raise CommandError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        prompt = utf8_text(data.decode("utf-8", "surrogateescape"), "the prompt on standard input")
+    else:
+        prompt = utf8_text(prompt, "--prompt")
     if not prompt:
         raise CommandError("empty prompt")
     if args.reasoning and not args.chat:
@@ -52,19 +55,33 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
     stats = None
-    try:
-        for chunk in api.stream_generate(pair, prompt, **generation_kwargs(args)):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            stats = chunk.stats
-    except ValueError as e:    # the prompt does not fit the model, a bad sampling value
-        raise CommandError(_one_line(e)) from None
+    stream = api.stream_generate(pair, prompt, **generation_kwargs(args))
+    # Ctrl-C stops at the next token (a second one at once), so the stats stay whole.
+    with CatchInterrupt(once=True) as interrupt:
+        try:
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats = chunk.stats
+                if interrupt.hit:
+                    stats = dict(stats, finish_reason="interrupted")
+                    break
+        except ValueError as e:    # the prompt does not fit the model, a bad sampling value
+            raise CommandError(_one_line(e)) from None
+        except KeyboardInterrupt:  # the second Ctrl-C, before a token came
+            interrupt.hit = True
+            if stats is not None:
+                stats = dict(stats, finish_reason="interrupted")
+        finally:
+            stream.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if args.stats:
+    if interrupt.hit:
+        print("mlx-dspark generate: interrupted", file=sys.stderr)
+    if args.stats and stats is not None:
         print("\n".join(["=========="] + format_stats(stats, args.speculative)),
               file=sys.stderr)
-    return 0
+    return 130 if interrupt.hit else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +98,8 @@ def chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    if args.system is not None:
+        utf8_text(args.system, "--system")
     pair = load_pair(args)
     from .chat import Chat
 
