@@ -59,16 +59,15 @@ def weight_files(path: str) -> list[str]:
 
 
 class BlockHash:
-    """SHA-256 of a whole stream and of each ``block_bytes`` block of it, fed in any pieces
-    (the receipt's ``sha256`` and ``blocks`` of a weight file, in one pass)."""
+    """SHA-256 of each ``block_bytes`` block of a stream fed in any pieces (the receipt's
+    ``blocks`` of a weight file; the whole-file hash is a separate pass, run beside it)."""
 
     def __init__(self, block_bytes: int = RECEIPT_BLOCK_BYTES):
         self.block_bytes = block_bytes
-        self._whole, self._block, self._filled = hashlib.sha256(), hashlib.sha256(), 0
+        self._block, self._filled = hashlib.sha256(), 0
         self._done: list[str] = []
 
     def update(self, data) -> None:
-        self._whole.update(data)
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), self.block_bytes - self._filled)
@@ -79,9 +78,6 @@ class BlockHash:
                 self._done.append(self._block.hexdigest())
                 self._block, self._filled = hashlib.sha256(), 0
 
-    def hexdigest(self) -> str:
-        return self._whole.hexdigest()
-
     def blocks(self) -> dict:
         """The receipt's ``blocks`` entry: the block size and each block's sha256."""
         tail = [self._block.hexdigest()] if self._filled else []
@@ -89,8 +85,8 @@ class BlockHash:
 
 
 def read_receipt(path: str) -> dict | None:
-    """The receipt's ``outputs`` (file name -> {"sha256", "size"}), or None when the directory
-    has no receipt. Raises ValueError/OSError/KeyError/TypeError on an unreadable one."""
+    """The receipt's ``outputs`` (file name -> {"size", "sha256"[, "blocks"]}), or None when the
+    directory has no receipt. Raises ValueError/OSError/KeyError/TypeError on an unreadable one."""
     receipt = os.path.join(path, RECEIPT_NAME)
     if not os.path.exists(receipt):
         return None

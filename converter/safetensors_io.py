@@ -206,7 +206,7 @@ class OutFile:
     def __init__(self, path: Path, hasher: ThreadPoolExecutor):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._sha = BlockHash()
+        self._sha, self._blocks = hashlib.sha256(), BlockHash()
         self._hasher = hasher
         self.size = 0
 
@@ -215,6 +215,7 @@ class OutFile:
         while view:
             view = view[os.write(self._fd, view):]
         self._sha.update(data)
+        self._blocks.update(data)
         self.size += len(data)
 
     def copy_range(self, f, start: int, nbytes: int) -> None:
@@ -222,7 +223,7 @@ class OutFile:
             if len(view) < SMALL_READ_BYTES:
                 self.write(view)
                 continue
-            hashed = self._hasher.submit(self._sha.update, view)
+            hashed = [self._hasher.submit(h.update, view) for h in (self._sha, self._blocks)]
             try:
                 done = 0
                 while done < len(view):
@@ -231,20 +232,21 @@ class OutFile:
                         raise ConversionError(f"{f.name}: file shrank while converting")
                     done += sent
             finally:
-                hashed.result()          # the window is unmapped after this iteration
+                for h in hashed:         # the window is unmapped after this iteration
+                    h.result()
             self.size += len(view)
 
     def close(self) -> dict:
         """The file's receipt entry: size, sha256 and the per-block sha256s."""
         os.close(self._fd)
-        return {"size": self.size, "sha256": self._sha.hexdigest(), "blocks": self._sha.blocks()}
+        return {"size": self.size, "sha256": self._sha.hexdigest(), "blocks": self._blocks.blocks()}
 
 
 def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, str],
                       files: SourceFiles, on_bytes=None) -> dict:
     """Stream ``tensors`` (in the given order) into ``path``; returns its receipt entry
     (size, sha256, blocks)."""
-    with ThreadPoolExecutor(1) as hasher:
+    with ThreadPoolExecutor(2) as hasher:     # the whole-file hash and the block hashes
         out = OutFile(path, hasher)
         try:
             out.write(header_bytes(tensors, metadata))

