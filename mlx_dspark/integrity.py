@@ -23,6 +23,7 @@ import hashlib
 import os
 import random
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -135,19 +136,22 @@ def checkpoint_files(path) -> list[str]:
     return files
 
 
-def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> str:
-    """Raise CheckpointError naming the first file that differs from the receipt; returns the
-    level actually applied."""
+def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> None:
+    """Raise CheckpointError naming the first file (and block) that differs from the receipt."""
     if verify == "auto":
         verify = "full" if sum(o.size for o in outputs) <= FULL_AUTO_BYTES else "fast"
     jobs, optional = [], []      # (file, start, length, expected sha256, block index or None)
     for o in outputs:
         f = os.path.join(path, o.name)
         try:
-            size = os.stat(f).st_size
+            st = os.stat(f)
         except OSError as e:
             raise CheckpointError(f"{f}: listed in the conversion receipt but "
-                                  f"{'missing' if isinstance(e, FileNotFoundError) else e.strerror}")
+                                  f"{'missing' if isinstance(e, FileNotFoundError) else e.strerror}"
+                                  ) from None
+        if not stat.S_ISREG(st.st_mode):     # a FIFO would hang the hashing
+            raise CheckpointError(f"{f}: not a regular file")
+        size = st.st_size
         if size != o.size:
             raise CheckpointError(f"{f}: {size} bytes, the conversion receipt records {o.size}: "
                                   f"the file changed after conversion")
@@ -163,11 +167,13 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> st
         jobs += [spans[i] for i in sorted(first)]
         optional += [s for i, s in enumerate(spans) if i not in first]
     jobs += random.SystemRandom().sample(optional, min(FAST_SAMPLES, len(optional)))
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+    try:
         for problem in pool.map(_check_span, jobs):
             if problem:
                 raise CheckpointError(problem)
-    return verify
+    finally:
+        pool.shutdown(cancel_futures=True)   # the first difference is enough
 
 
 def _header_blocks(f: str, o: Output) -> int:
