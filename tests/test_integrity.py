@@ -198,3 +198,14 @@ def test_tokenizer_asking_for_remote_code_is_refused_without_running_it_or_promp
         md.load(t, verify="none")
     out, err = capfd.readouterr()
     assert not marker.exists() and "[y/N]" not in out + err
+
+
+def test_fast_level_hashes_in_full_a_file_whose_receipt_predates_blocks(demo):
+    receipt = demo / "target" / RECEIPT
+    doc = json.loads(receipt.read_text())
+    del doc["outputs"]["model.safetensors"]["blocks"]
+    receipt.write_text(json.dumps(doc))
+    flip(demo / "target" / "model.safetensors", 3_000_000)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: sha256 .* differs from the "
+                                              r"conversion receipt"):
+        load_target(str(demo / "target"), verify="fast")
