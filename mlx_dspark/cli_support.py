@@ -44,9 +44,9 @@ def utf8_text(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise CommandError(f"{what} is not UTF-8 text (byte 0x{bad.hex()} at character "
-                           f"{e.start})") from None
+        c = ord(text[e.start])
+        bad = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise CommandError(f"{what} is not UTF-8 text ({bad} at character {e.start})") from None
     return text
 
 
@@ -77,7 +77,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
     p.add_argument("--seed", type=_seed, metavar="S",
-                   help="random seed for sampling, 0 to 2**64-1; -1 (or none) picks one at random")
+                   help="random seed for sampling, 0 to 2**64-1; -1 or no --seed: a random one")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
