@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .errors import ConversionError
 from .quant_config import GROUP_SIZE, QuantSpec
-from .safetensors_io import OutTensor, TensorInfo, read_header
+from .safetensors_io import OutTensor, TensorInfo, open_regular, read_header
 
 TARGET, DRAFTER = "target", "drafter"
 DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
@@ -41,14 +41,10 @@ def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
     """All tensors of a single-file or sharded (index.json) export, validated."""
     index_path = src / "model.safetensors.index.json"
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise ConversionError(f"{index_path}: corrupt index (no weight_map object)") from None
+        weight_map = _weight_map(index_path)
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
+        files = sorted(p.name for p in src.glob("*.safetensors") if not p.name.startswith("."))
         weight_map = None
         if not files:
             raise ConversionError(f"{src}: missing file: no *.safetensors (and no index)")
@@ -72,6 +68,24 @@ def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
                 f"{src / weight_map[missing[0]]}: tensor {missing[0]!r} listed in "
                 f"{index_path.name} is missing")
     return tensors
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    with open_regular(path) as f:
+        raw = f.read()
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ConversionError(f"{path}: corrupt index ({why})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{path}: corrupt index (no weight_map object)")
+    bad = [v for v in weight_map.values() if not isinstance(v, str)]
+    if bad:
+        raise ConversionError(f"{path}: corrupt index (weight_map value {bad[0]!r} is not a "
+                              f"file name)")
+    return weight_map
 
 
 def detect_kind(config: dict, names, config_path: Path) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError
+from .safetensors_io import open_regular
 
 # ModelOpt algorithm -> the converted layout; everything else is refused because its bytes
 # cannot be carried into MLX verbatim (AWQ/SVDQuant need pre_quant_scale and LoRA terms,
@@ -50,12 +51,14 @@ def normalize_json(value):
 
 
 def load_json(path: Path):
-    if not path.is_file():
-        raise ConversionError(f"{path}: missing file")
+    with open_regular(path) as f:
+        raw = f.read()
     try:
-        return normalize_json(json.loads(path.read_text(encoding="utf-8")))
+        return normalize_json(json.loads(raw.decode("utf-8")))
     except (UnicodeDecodeError, ValueError) as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise ConversionError(f"{path}: invalid JSON (nested too deeply)") from None
 
 
 def fill_layer_pattern(config: dict, path: Path) -> dict:
