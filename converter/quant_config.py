@@ -67,7 +67,12 @@ def fill_layer_pattern(config: dict, path: Path) -> dict:
     config whose two spellings, or whose layer count, disagree)."""
     types = config.get("layers_block_type")
     pattern = config.get("hybrid_override_pattern")
+    if pattern is not None and not (isinstance(pattern, str) and set(pattern) <= set("ME*-")):
+        raise ConversionError(f"{path}: hybrid_override_pattern must be a string of M, E, * "
+                              f"and -, got {pattern!r}")
     if types is not None:
+        if not isinstance(types, list):
+            raise ConversionError(f"{path}: layers_block_type must be a list, got {types!r}")
         try:
             derived = "".join(_BLOCK_CHAR[t] for t in types)
         except (KeyError, TypeError):
@@ -119,7 +124,7 @@ class QuantSpec:
 
 
 def _check_algo(algo, group_size, where: str) -> str:
-    if algo not in ALGO_FORMAT:
+    if not isinstance(algo, str) or algo not in ALGO_FORMAT:
         raise ConversionError(
             f"{where}: unsupported quant_algo {algo!r} (supported: "
             f"{', '.join(sorted(ALGO_FORMAT))}, {MIXED}); its tensors cannot be copied "
@@ -157,7 +162,10 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
         return QuantSpec(algo=None, source=str(where.name))
     if algo == MIXED:
         layers = {}
-        for name, entry in (q.get("quantized_layers") or {}).items():
+        listed = q.get("quantized_layers") or {}
+        if not isinstance(listed, dict):
+            raise ConversionError(f"{where}: quantized_layers must be an object")
+        for name, entry in listed.items():
             if not isinstance(entry, dict):
                 raise ConversionError(f"{where}: quantized_layers[{name!r}] is not an object")
             layers[name] = _check_algo(entry.get("quant_algo"), entry.get("group_size"),
@@ -167,6 +175,6 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
         return QuantSpec(algo=MIXED, source=where.name, layers=layers)
     _check_algo(algo, q.get("group_size"), str(where))
     exclude = q.get("exclude_modules", q.get("ignore")) or []
-    if not all(isinstance(p, str) for p in exclude):
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
         raise ConversionError(f"{where}: exclude_modules must be a list of strings")
     return QuantSpec(algo=algo, source=where.name, exclude=tuple(exclude))
