@@ -52,9 +52,11 @@ def _bad_pin(pin) -> str | None:
         return "not an object"
     if not isinstance(pin.get("revision", UNKNOWN), str):
         return "revision must be a string"
-    files = pin.get("files", {})
+    files = pin.get("files", UNKNOWN)
+    if files == UNKNOWN:
+        return None
     if not isinstance(files, dict):
-        return "files must be an object"
+        return f"files must be an object or {UNKNOWN!r}"
     for name, entry in files.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256", UNKNOWN), str)
                 and type(entry.get("size", 0)) is int):
