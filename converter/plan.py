@@ -288,9 +288,11 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
         items.append((name, t.dtype, t.shape, t))
 
     if spec.explicit:
-        present = set(modules) | {n.rsplit(".", 1)[0] for n in tensors}
+        # every dotted prefix of every tensor name: one set lookup per listed layer
+        parts = [n.split(".") for n in tensors]
+        present = {".".join(p[:i]) for p in parts for i in range(1, len(p))}
         for layer in spec.layers:
-            if not any(p == layer or p.startswith(layer + ".") for p in present):
+            if layer not in present:
                 raise ConversionError(f"{src / spec.source}: quantized_layers names {layer!r} "
                                       f"but no such module has tensors")
 

@@ -62,14 +62,19 @@ def open_regular(path: Path):
     """Open ``path`` for reading only if it is a regular file: a FIFO or device in SRC would
     block or never end, so it is refused by name instead (O_NONBLOCK keeps the open itself
     from waiting on a FIFO)."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | nonblock))
     except FileNotFoundError:
         raise ConversionError(f"{path}: missing file") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    except IsADirectoryError:
+        raise ConversionError(f"{path}: not a regular file (a directory)") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
         raise ConversionError(f"{path}: not a regular file (special files are never read)")
-    return os.fdopen(fd, "rb")
+    return f
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
