@@ -109,7 +109,10 @@ def _prepare_out(out: Path, force: bool, src: Path) -> tuple[int, int] | None:
     if out.is_symlink() or not out.is_dir():
         raise ConversionError(f"{out}: refusing to replace: not a directory of its own "
                               f"(a symbolic link or a file)")
-    why = _why_not_replaceable(out)
+    try:
+        why = _why_not_replaceable(out)
+    except OSError as e:
+        raise ConversionError(f"{out}: cannot read it to check it ({e.strerror or e})") from None
     if why:
         raise ConversionError(f"{out}: refusing to replace: not a converted checkpoint "
                               f"({why})")
@@ -122,7 +125,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:          # someone else's live process
+    except (PermissionError, OverflowError):    # someone else's process, or not a pid we wrote
         return True
     return True
 
@@ -141,8 +144,11 @@ def _remove_stale(out: Path) -> None:
             continue
         kept = Path(e.path) / out.name
         if m[1] == "old" and kept.is_dir() and not os.path.lexists(out):
-            os.rename(kept, out)
-        shutil.rmtree(e.path)
+            try:
+                _rename_noreplace(kept, out)
+            except OSError:
+                continue             # cannot put it back: leave it where it is
+        shutil.rmtree(e.path, ignore_errors=True)
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import ConversionError
+from .safetensors_io import open_regular
 
 UNKNOWN = "unknown"
 PINS_FORMAT = "mlx-dspark-pins/1"
@@ -27,10 +28,9 @@ def load_pins(path: Path | None = None) -> dict:
             text = resources.files(__package__).joinpath("pins.json").read_text("utf-8")
             path = Path("pins.json")
         else:
-            text = Path(path).read_text(encoding="utf-8")
+            with open_regular(Path(path)) as f:
+                text = f.read().decode("utf-8")
         pins = json.loads(text)
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: missing file") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
     except RecursionError:

@@ -6,11 +6,9 @@ non-zero exit, OUT untouched, nothing left beside it)."""
 import importlib
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -96,6 +94,15 @@ def test_force_refuses_an_out_that_contains_src(tmp_path, capsys):
     rc, lines = run_cli(capsys, src, "-o", tmp_path / "work", "--force")
     assert_one_line(rc, lines, tmp_path / "work", "a directory that contains it")
     assert tree(tmp_path / "work") == before
+
+
+def test_force_refuses_a_symlinked_out(tmp_path, capsys):
+    src, out = converted(tmp_path, capsys)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    rc, lines = run_cli(capsys, src, "-o", link, "--force")
+    assert_one_line(rc, lines, link, "not a directory of its own")
+    assert link.is_symlink() and os.readlink(link) == str(out)
 
 
 def test_out_that_appears_during_conversion_is_never_replaced(tmp_path, capsys, monkeypatch):
@@ -295,14 +302,16 @@ def test_symlink_cycles_and_dangling_links_are_refused_without_looping(kind, tmp
 _CONVERT_CLI = [sys.executable, "-m", "mlx_dspark.cli", "convert"]
 
 
-def test_fifo_in_src_is_refused_by_name_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("where", ["in SRC", "as --pins"])
+def test_fifo_is_refused_by_name_instead_of_hanging(where, tmp_path):
     src = tmp_path / "src"
     synth_target(src)
-    os.mkfifo(src / "notes.txt")
-    r = subprocess.run([*_CONVERT_CLI, str(src), "-o", str(tmp_path / "out"), "--no-progress"],
-                       capture_output=True, text=True, env=ENV, timeout=60)
-    assert_one_line(r.returncode, r.stderr.strip().splitlines(), src / "notes.txt",
-                    "not a regular file")
+    fifo = src / "notes.txt" if where == "in SRC" else tmp_path / "pins.json"
+    os.mkfifo(fifo)
+    extra = ["--pins", str(fifo)] if where == "as --pins" else []
+    r = subprocess.run([*_CONVERT_CLI, str(src), "-o", str(tmp_path / "out"), "--no-progress",
+                        *extra], capture_output=True, text=True, env=ENV, timeout=60)
+    assert_one_line(r.returncode, r.stderr.strip().splitlines(), fifo, "not a regular file")
     assert not (tmp_path / "out").exists()
 
 
