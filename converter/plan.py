@@ -43,7 +43,8 @@ SIZE_CHECKS = {
                 "hidden_size": (r"embed_tokens\.weight", 1),
                 "intermediate_size": (r"layers\.\d+\.mlp\.up_proj\.weight", 0)},
 }
-_LAYER = {"target": re.compile(r"^backbone\.layers\.(\d+)\."), "drafter": re.compile(r"^layers\.(\d+)\.")}
+_LAYER = {"target": re.compile(r"^backbone\.layers\.(\d+)\."),
+          "drafter": re.compile(r"^layers\.(\d+)\.")}
 
 
 @dataclass
@@ -311,7 +312,8 @@ def _stack_experts(items: list[tuple], n_experts) -> list[OutTensor]:
         if m is None:
             out.append(OutTensor(name, dtype, tuple(shape), (src,)))
         else:
-            groups[(m[1], m[3])][_index(src, m[2], "expert", n_experts)] = (dtype, tuple(shape), src)
+            e = _index(src, m[2], "expert", n_experts)
+            groups[(m[1], m[3])][e] = (dtype, tuple(shape), src)
     index_sets = defaultdict(set)
     for (base, rest), members in sorted(groups.items()):
         idx = sorted(members)

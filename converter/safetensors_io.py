@@ -4,9 +4,10 @@ The format: an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JS
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 then the tensor data, offsets counted from the end of the header. Reading parses only the
 header; tensor bytes are later copied range by range through one bounded buffer, so memory
-never holds a whole tensor. Sources are read with ``pread`` and every read's length is checked:
-a file truncated while it is converted is a one-line error (a mapping would die of SIGBUS). Writing emits tensors in the given order
-with fixed metadata and an 8-byte-aligned header, hashing as it goes.
+never holds a whole tensor. Sources are read with ``pread`` and every read's length is
+checked: a file truncated while it is converted is a one-line error, where a memory mapping
+would die of SIGBUS. Writing emits tensors in the given order with fixed metadata and an
+8-byte-aligned header, hashing as it goes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ITEMSIZE = {
 }
 MAX_HEADER_BYTES = 100 << 20      # the safetensors library's own limit
 CHUNK_BYTES = 64 << 20            # copy window: bounds the converter's resident memory
-SMALL_HASH_BYTES = 1 << 20        # below this, handing the hash to a thread costs more than it saves
+SMALL_HASH_BYTES = 1 << 20        # below this, hashing in a helper thread costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -171,13 +172,15 @@ def header_bytes(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def read_chunks(f, start: int, nbytes: int):
+def read_chunks(f, start: int, nbytes: int, buf: memoryview | None = None):
     """Yield ``(offset, memoryview)`` chunks covering bytes ``[start, start + nbytes)`` of the
-    open file ``f``, read into one reused buffer of at most CHUNK_BYTES.
+    open file ``f``, read into one reused buffer of at most CHUNK_BYTES (``buf``, else a new
+    one).
 
     Each view is valid only until the next one is requested. A short read means the file
     shrank under us: that is a ConversionError, never a partial result."""
-    buf = memoryview(bytearray(min(nbytes, CHUNK_BYTES)))
+    if buf is None:
+        buf = memoryview(bytearray(min(nbytes, CHUNK_BYTES)))
     pos, end = start, start + nbytes
     while pos < end:
         view = buf[:min(end - pos, len(buf))]
@@ -216,6 +219,7 @@ class OutFile:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._sha = hashlib.sha256()
         self._hasher = hasher
+        self._buf = None                 # allocated (and zeroed) once per file, not per tensor
         self.size = 0
 
     def _write(self, view) -> None:
@@ -228,7 +232,9 @@ class OutFile:
         self.size += len(data)
 
     def copy_range(self, f, start: int, nbytes: int) -> None:
-        for _, view in read_chunks(f, start, nbytes):
+        if self._buf is None:
+            self._buf = memoryview(bytearray(CHUNK_BYTES))
+        for _, view in read_chunks(f, start, nbytes, self._buf):
             if len(view) < SMALL_HASH_BYTES:
                 self.write(view)
                 continue
