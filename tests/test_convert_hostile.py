@@ -58,7 +58,8 @@ def converted(tmp_path, capsys) -> tuple[Path, Path]:
 # ------------------------------------------------------------ item 1: never destroy
 
 
-@pytest.mark.parametrize("layout", ["repository copy", "folder of the user's files"])
+@pytest.mark.parametrize("layout", ["repository copy", "folder of the user's files",
+                                    "receipt whose outputs are a list"])
 def test_force_refuses_a_directory_that_merely_holds_a_receipt_named_file(layout, tmp_path,
                                                                          capsys):
     synth_target(tmp_path / "src")
@@ -67,9 +68,12 @@ def test_force_refuses_a_directory_that_merely_holds_a_receipt_named_file(layout
     if layout == "repository copy":          # the repo's pin file has the receipt's name
         (out / RECEIPT_NAME).write_text('{"format": "mlx-dspark-pins/1", "sources": {}}')
         (out / "README.md").write_text("my repo")
-    else:
+    elif layout == "folder of the user's files":
         (out / RECEIPT_NAME).write_text("not even JSON")
         (out / "thesis.tex").write_text("three years of work")
+    else:
+        (out / RECEIPT_NAME).write_text('{"format": "mlx-dspark-receipt/1", "outputs": []}')
+        (out / "model.safetensors").write_text("someone else's weights")
     before = tree(out)
     rc, lines = run_cli(capsys, tmp_path / "src", "-o", out, "--force")
     assert_one_line(rc, lines, out, "refusing to replace: not a converted checkpoint")
