@@ -14,6 +14,7 @@ import math
 import re
 import struct
 from collections import defaultdict
+from itertools import islice
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -318,8 +319,8 @@ def _stack_experts(items: list[tuple], n_experts) -> list[OutTensor]:
     for (base, rest), members in sorted(groups.items()):
         idx = sorted(members)
         count = n_experts if type(n_experts) is int else len(idx)
-        if idx != list(range(count)):
-            missing = [e for e in range(count) if e not in members][:5]
+        if len(idx) != count or idx[-1] != count - 1:      # sorted, distinct: 0..count-1
+            missing = list(islice((e for e in range(count) if e not in members), 5))
             first = members[idx[0]][2]
             raise _err(first, f"experts of {base}.*.{rest} are not numbered 0..E-1 "
                               f"(missing {missing})")
