@@ -3,6 +3,8 @@ what it did not make, and reads SRC as data, never following it. Each test is on
 problem; each asserts what the user sees (one line naming the file and the problem, a
 non-zero exit, OUT untouched, nothing left beside it)."""
 
+import errno
+import hashlib
 import importlib
 import json
 import os
@@ -513,3 +515,29 @@ def test_config_sizes_contradicting_the_tensors_are_refused(kind, key, value, wo
     rc, lines = run_cli(capsys, tmp_path / "src", "-o", tmp_path / "out")
     assert_one_line(rc, lines, words)
     assert not (tmp_path / "out").exists()
+
+
+def test_conversion_is_byte_identical_where_the_kernel_cannot_copy_files(tmp_path,
+                                                                        monkeypatch):
+    """macOS has no file-to-file sendfile: the buffered path must write the same bytes."""
+    big = np.arange(3 << 20, dtype=np.float32)                     # 12 MiB: several chunks
+    synth_target(tmp_path / "src", edit=lambda t, c, q: t.__setitem__(
+        "backbone.layers.0.mixer.big_table", ("F32", big.shape, big.tobytes())))
+    io = importlib.import_module("mlx_dspark.converter.safetensors_io")
+    monkeypatch.setattr(io, "CHUNK_BYTES", 5 << 20)
+    CONVERT.convert(str(tmp_path / "src"), tmp_path / "kernel", progress=False)
+
+    refused = []
+
+    def no_file_sendfile(*args):
+        refused.append(args)
+        raise OSError(errno.ENOTSOCK, os.strerror(errno.ENOTSOCK))
+
+    monkeypatch.setattr(io.os, "sendfile", no_file_sendfile)
+    CONVERT.convert(str(tmp_path / "src"), tmp_path / "buffered", progress=False)
+    assert refused                                    # the buffered path really ran
+    assert tree(tmp_path / "buffered") == tree(tmp_path / "kernel")
+    receipt = json.loads((tmp_path / "kernel" / RECEIPT_NAME).read_text())
+    for name, entry in receipt["outputs"].items():
+        assert hashlib.sha256((tmp_path / "kernel" / name).read_bytes()).hexdigest() == \
+            entry["sha256"]
