@@ -141,6 +141,29 @@ def test_empty_out_that_appears_during_conversion_is_not_replaced(tmp_path, caps
     assert list(out.iterdir()) == [] and leftovers(out) == []
 
 
+def test_force_keeps_an_out_that_changed_during_conversion(tmp_path, capsys, monkeypatch):
+    src, out = converted(tmp_path, capsys)
+    write = CONVERT._write_tensors
+
+    def user_saves_into_out(tmp, *args):
+        (out / "results.csv").write_text("saved meanwhile")
+        return write(tmp, *args)
+
+    monkeypatch.setattr(CONVERT, "_write_tensors", user_saves_into_out)
+    rc, lines = run_cli(capsys, src, "-o", out, "--force")
+    assert_one_line(rc, lines, out, "changed while converting ('results.csv' is not listed")
+    assert (out / "results.csv").read_text() == "saved meanwhile"
+    assert (out / RECEIPT_NAME).is_file() and leftovers(out) == []
+
+
+def test_force_fills_an_empty_directory(tmp_path, capsys):
+    synth_target(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    rc, lines = run_cli(capsys, tmp_path / "src", "-o", tmp_path / "out", "--force")
+    assert rc == 0, lines
+    assert (tmp_path / "out" / RECEIPT_NAME).is_file()
+
+
 _SELF_SIGNAL = """
 import os, signal, sys
 from mlx_dspark.converter import convert as _
