@@ -214,12 +214,12 @@ class SourceFiles:
 class OutFile:
     """An output file that hashes exactly the bytes it holds.
 
-    Large source ranges are copied by the kernel (``os.sendfile``: on this project's VMs
-    ``write`` from user memory costs 3x the CPU) and each chunk is then read back from the
-    output with ``pread`` and hashed by a helper thread while the next chunk is copied. No
-    source byte is ever memory-mapped: a source that shrinks makes ``sendfile`` come up
-    short, which is a one-line error. Where the kernel cannot copy file to file (macOS), the
-    chunk goes through the buffer instead."""
+    Large source ranges are copied by the kernel (``os.sendfile``: cheaper than ``write`` from
+    user memory, docs/measurements.md and docs/safety-convert.md) and each chunk is then read
+    back from the output with ``pread`` and hashed by a helper thread while the next chunk is
+    copied. No source byte is ever memory-mapped: a source that shrinks makes ``sendfile``
+    come up short, which is a one-line error. Where the kernel cannot copy file to file
+    (macOS), the chunk goes through the buffer instead."""
 
     def __init__(self, path: Path, hasher: ThreadPoolExecutor):
         self.path = Path(path)
