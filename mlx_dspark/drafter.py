@@ -473,6 +473,15 @@ class Drafter(nn.Module):
         empty = mx.zeros((1, self.config.num_kv_heads, 0, self.config.head_dim), self.dtype)
         self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
 
+    def state(self):
+        """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
+        into them, so the state stays valid while the drafter goes on)."""
+        return self.length, tuple(self._cache)
+
+    def set_state(self, state):
+        self.length, cache = state
+        self._cache = list(cache)
+
     @property
     def cache_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._cache)

@@ -142,6 +142,40 @@ class Session:
             self.drafter.add_context(taps, self.pending_start)
             self.pending = []
 
+    def snapshot(self) -> "Snapshot":
+        """The state after ``tokens``, to :meth:`restore` later (a server's prefix cache).
+        Take it between steps (not between a verify and its commit)."""
+        cache = self.cache.snapshot()
+        drafter = self.drafter.state() if self.drafter is not None else None
+        pending = tuple(self.pending)
+        mx.eval(list(pending))
+        return Snapshot(tuple(self.tokens), cache, drafter, pending, self.pending_start,
+                        sum(a.nbytes for a in _arrays([cache, drafter, pending])))
+
+    def restore(self, snap: "Snapshot"):
+        """Continue from ``snap`` (of a session on the same target and drafter); the
+        snapshot stays valid, so it can be restored again."""
+        self.cache = self.target.make_cache()
+        self.cache.restore(snap.cache)
+        if self.drafter is not None:
+            self.drafter.set_state(snap.drafter)
+        self.tokens = list(snap.tokens)
+        self.pending = list(snap.pending)
+        self.pending_start = snap.pending_start
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's state after ``tokens`` (:meth:`Session.snapshot`); ``nbytes`` sums its
+    arrays (arrays shared with other snapshots are counted in each)."""
+
+    tokens: tuple[int, ...]
+    cache: object
+    drafter: object
+    pending: tuple
+    pending_start: int
+    nbytes: int
+
 
 def context_limit(target) -> int | None:
     """Maximum sequence length the target's config declares, if any."""
