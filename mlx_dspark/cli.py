@@ -61,6 +61,7 @@ COMMANDS: list[Command] = [
             commands.run_generate),
     Command("chat", commands.CHAT_HELP, commands.chat_arguments, commands.run_chat),
     Command("bench", commands.BENCH_HELP, commands.bench_arguments, commands.run_bench),
+    Command("serve", commands.SERVE_HELP, commands.serve_arguments, commands.run_serve),
 ]
 
 
