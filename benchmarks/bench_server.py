@@ -16,15 +16,14 @@ the `openai` client over streamed chat completions, greedy.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
+
+from mlx_dspark.server import launch
 
 TOPICS = ["read a CSV file", "parse command line arguments", "walk a directory tree",
           "retry a network call", "merge two sorted lists", "cache function results",
@@ -34,22 +33,8 @@ TURNS = [f"Now write a function that can {t}, with a docstring and a short examp
          f"use." for t in TOPICS + ["compress a file", "count words in a text"]]
 
 
-def start(flags) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark.cli", "serve", "--port",
-                             str(port), *flags], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    sys.exit("the server did not start")
+def start(flags):
+    return launch(flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def stream_chat(client, messages, max_tokens):

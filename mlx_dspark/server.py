@@ -520,3 +520,30 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
 
     uvicorn.run(create_app(engine, model_id, api_key), host=host, port=port,
                 log_level="info", timeout_graceful_shutdown=3)
+
+
+def launch(flags=(), timeout: float = 60.0, **popen):
+    """Start ``mlx-dspark serve FLAGS`` in a child process on a free port of 127.0.0.1 and
+    wait until it answers ``/health``; returns the process and the base URL (for tests,
+    benchmarks and scripts that drive a real server)."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark.cli", "serve", "--port",
+                             str(port), *flags], **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"mlx-dspark serve {' '.join(flags)} did not start (exit status "
+                       f"{proc.wait()})")

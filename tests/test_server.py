@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,35 +15,16 @@ import openai
 import pytest
 
 from mlx_dspark import api
+from mlx_dspark.server import launch
 from mlx_dspark.tokenizer import encode
 
 KEY = "test-key"
 MODEL = "mlx-dspark-demo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(*flags):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark.cli", "serve", "--port",
-                             str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start within 60 s")
+    return launch(flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _stop(proc):
