@@ -192,7 +192,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, item):
-        self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
+        except RuntimeError:        # the event loop is gone (shutdown): nobody is listening
+            self.cancelled.set()
 
 
 class Engine:
@@ -225,17 +228,23 @@ class Engine:
         if self._load_error is not None:
             raise self._load_error
 
-    def stop(self, timeout: float = 10.0):
-        """Finish the running job's current token, drop the waiting ones, end the thread."""
+    def cancel_all(self, reason: str):
+        """End every request with an error event: the waiting ones never start, the running
+        one stops at its next token."""
+        jobs = [self._current]
         while True:
             try:
-                job = self._jobs.get_nowait()
+                jobs.append(self._jobs.get_nowait())
             except queue.Empty:
                 break
+        for job in jobs:
             if job is not None:
                 job.cancelled.set()
-        if self._current is not None:
-            self._current.cancelled.set()
+                job.emit("error", reason)
+
+    def stop(self, timeout: float = 10.0):
+        """Cancel what is left and end the thread."""
+        self.cancel_all("the server is shutting down")
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -294,11 +303,12 @@ class Engine:
                     self._remember()          # the prompt's state, before any answer token
                 if job.cancelled.is_set() and chunk.token is not None:
                     self.cancelled += 1
-                    return
-            self.served += 1
+                    break
+            else:
+                self.served += 1
         finally:
             stream.close()
-            self._remember()                  # prompt and answer: the next turn's prefix
+        self._remember()                      # prompt and answer: the next turn's prefix
 
     def _remember(self):
         if self.cache is not None and not self.cache.touch(self.session.tokens):
@@ -514,12 +524,19 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
 
 
 def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None):
-    """Run until Ctrl-C or SIGTERM (uvicorn's handlers): requests still streaming get a few
-    seconds, then they are cancelled (each at its next token) and the engine thread ends."""
+    """Run until Ctrl-C or SIGTERM: the generation in flight stops at its next token, every
+    open request ends with an error event, uvicorn closes the connections and the engine
+    thread ends."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_id, api_key), host=host, port=port,
-                log_level="info", timeout_graceful_shutdown=3)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.cancel_all("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(engine, model_id, api_key), host=host, port=port,
+                            log_level="info", timeout_graceful_shutdown=5)
+    Server(config).run()
 
 
 def launch(flags=(), timeout: float = 60.0, **popen):

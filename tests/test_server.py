@@ -4,8 +4,10 @@ this process on the same embedded demo pair."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,7 @@ from mlx_dspark.server import launch
 from mlx_dspark.tokenizer import encode
 
 KEY = "test-key"
+CHAT = "/v1/chat/completions"
 MODEL = "mlx-dspark-demo"
 
 
@@ -170,25 +173,26 @@ def _cancelled(url, before, timeout=10):
     return False
 
 
-def _long_stream(http, url):
-    """Open a long streamed request and read until its first token arrives."""
+@contextlib.contextmanager
+def _long_stream(url, headers=None):
+    """A long streamed request, open once its first token has arrived: yields its other
+    lines; leaving the block hangs up."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "import os"}],
             "max_tokens": 3000, "temperature": 0, "stream": True}
-    cm = http.stream("POST", url + "/v1/chat/completions", json=body,
-                     headers={"Authorization": f"Bearer {KEY}"})
-    response = cm.__enter__()
-    assert response.status_code == 200
-    lines = response.iter_lines()
-    assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
-    return cm
+    headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    with httpx.Client(timeout=30) as http, \
+            http.stream("POST", url + CHAT, json=body, headers=headers) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        yield lines
 
 
 def test_client_leaving_mid_stream_cancels_it_and_the_next_request_is_unaffected(
         server, client, pair):
     before = _health(server)["cancelled"]
-    with httpx.Client(timeout=30) as http:
-        cm = _long_stream(http, server)
-        cm.__exit__(None, None, None)           # hang up after the first token
+    with _long_stream(server):
+        pass                                    # hang up after the first token
     assert _cancelled(server, before), "the generation went on after the client left"
     messages = [{"role": "user", "content": "def after_hangup():"}]
     want = api.generate(pair, messages, max_tokens=20, temperature=0).text
@@ -199,15 +203,11 @@ def test_full_queue_answers_503_and_serving_resumes():
     proc, url = _start("--max-queue", "0", "--prefix-cache-mb", "0")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        with httpx.Client(timeout=30) as http:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "import os"}],
-                    "max_tokens": 3000, "temperature": 0, "stream": True}
-            with http.stream("POST", url + "/v1/chat/completions", json=body) as busy:
-                next(line for line in busy.iter_lines() if line.startswith("data: "))
-                with pytest.raises(openai.APIStatusError) as e:
-                    c.completions.create(model=MODEL, prompt="x", max_tokens=2)
-                assert e.value.status_code == 503
-                assert e.value.body["code"] == "server_busy"
+        with _long_stream(url, headers={}):
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert e.value.status_code == 503
+            assert e.value.body["code"] == "server_busy"
         deadline = time.monotonic() + 15     # the hung-up stream stops at its next token
         while True:
             try:
@@ -225,7 +225,6 @@ def test_full_queue_answers_503_and_serving_resumes():
 # Errors: OpenAI error objects naming the field, never a traceback, and the server keeps going
 
 
-CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 BAD = [
     (CHAT, b"{not json", None, None),
@@ -301,3 +300,16 @@ def test_server_keeps_serving_after_errors(client, server):
         httpx.post(server + CHAT, content=body, headers={"Authorization": f"Bearer {KEY}"})
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _chat(client, USER, max_tokens=3, temperature=0)[2].completion_tokens == 3
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_signal_with_a_stream_in_flight_ends_it_and_exits_cleanly(sig, status):
+    proc, url = _start()
+    with _long_stream(url, headers={}) as lines:
+        proc.send_signal(sig)
+        rest = list(lines)
+    assert json.loads(rest[-2][len("data: "):])["error"]["message"] == \
+        "the server is shutting down"
+    assert rest[-1] == "data: [DONE]" and len(rest) < 50     # stopped at the next token
+    assert proc.wait(15) == status
+    assert "Traceback" not in proc.stdout.read().decode()
