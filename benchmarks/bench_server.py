@@ -79,17 +79,22 @@ def concurrency(url, clients, tokens, repeats):
     return rows
 
 
-def conversation(url, tokens):
+def conversation(url, tokens, repeats):
+    """Per turn: prompt tokens, reused tokens, median TTFT over ``repeats`` conversations
+    (each opens differently, so no conversation continues from another's snapshots)."""
     client = client_for(url)
     stream_chat(client, [{"role": "user", "content": "warm up"}], 4)
-    messages, rows = [], []
-    for turn, user in enumerate(TURNS, 1):
-        messages.append({"role": "user", "content": user})
-        ttft, _, text, usage = stream_chat(client, messages, tokens)
-        rows.append((turn, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
-                     ttft))
-        messages.append({"role": "assistant", "content": text})
-    return rows
+    runs = []
+    for r in range(repeats):
+        messages, rows = [], []
+        for turn, user in enumerate(TURNS, 1):
+            messages.append({"role": "user", "content": f"({r}) {user}" if turn == 1 else user})
+            ttft, _, text, usage = stream_chat(client, messages, tokens)
+            rows.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, ttft))
+            messages.append({"role": "assistant", "content": text})
+        runs.append(rows)
+    return [(turn, *runs[0][turn - 1][:2], statistics.median(run[turn - 1][2] for run in runs))
+            for turn in range(1, len(TURNS) + 1)]
 
 
 def main():
@@ -99,7 +104,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
     ap.add_argument("--turn-tokens", type=int, default=48,
                     help="tokens per conversation answer (default 48)")
-    ap.add_argument("--repeats", type=int, default=3, help="waves per client count (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="waves per client count, and conversations per server (median)")
     args = ap.parse_args()
     flags = [f for k in ("model", "drafter") if getattr(args, k)
              for f in (f"--{k}", getattr(args, k))]
@@ -107,13 +113,13 @@ def main():
     proc, url = start(flags)
     try:
         waves = concurrency(url, (1, 4, 8), args.tokens, args.repeats)
-        reuse = conversation(url, args.turn_tokens)
+        reuse = conversation(url, args.turn_tokens, args.repeats)
     finally:
         proc.terminate()
         proc.wait()
     proc, url = start(flags + ["--prefix-cache-mb", "0"])
     try:
-        cold = conversation(url, args.turn_tokens)
+        cold = conversation(url, args.turn_tokens, args.repeats)
     finally:
         proc.terminate()
         proc.wait()
@@ -123,7 +129,8 @@ def main():
     print("|---:|---:|---:|---:|")
     for n, med, worst, tps in waves:
         print(f"| {n} | {med:.3f} | {worst:.3f} | {tps:.1f} |")
-    print(f"\n10-turn conversation, {args.turn_tokens} tokens per answer\n")
+    print(f"\n10-turn conversation, {args.turn_tokens} tokens per answer, median of "
+          f"{args.repeats} conversations\n")
     print("| turn | prompt tokens | reused (cached) | TTFT reuse on (s) | TTFT reuse off (s) |")
     print("|---:|---:|---:|---:|---:|")
     for (turn, prompt, cached, on), (_, prompt_off, _, off) in zip(reuse, cold):

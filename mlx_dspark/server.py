@@ -432,8 +432,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
         else:
             try:
                 ids = await run_in_threadpool(encode, tokenizer, prompt, kind == "chat")
-            except ValueError as e:       # e.g. no chat template
-                raise RequestError(f"'{where}': {e}", where) from None
+            except Exception as e:   # no chat template, or the template refuses the messages
+                raise RequestError(f"'{where}' cannot be encoded: "
+                                   f"{' '.join(str(e).split()) or type(e).__name__}",
+                                   where) from None
         if not ids:
             raise RequestError(f"'{where}' encodes to no tokens", where)
         if limit is not None:
