@@ -148,7 +148,7 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def completion_prompt(body: dict):
+def completion_prompt(body: dict, vocab: int):
     """A string or a list of token ids (one prompt per request)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -157,6 +157,8 @@ def completion_prompt(body: dict):
         return prompt
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"'prompt' token ids must be in [0, {vocab})", "prompt")
         return prompt
     raise RequestError("'prompt' must be a non-empty string or a non-empty array of token ids "
                        "(one prompt per request)", "prompt")
@@ -406,6 +408,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
 
     tokenizer = engine.pair.tokenizer
     limit = context_limit(engine.pair.target)
+    vocab = engine.pair.target.config.vocab_size
 
     def authorize(request: Request):
         if api_key is None:
@@ -421,13 +424,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
         check_model(body, model_id)
         stream, include_usage = stream_flags(body)
         if kind == "chat":
-            prompt = chat_messages(body)
-            where = "messages"
+            where, prompt = "messages", chat_messages(body)
         else:
-            prompt = completion_prompt(body)
-            where = "prompt"
+            where, prompt = "prompt", completion_prompt(body, vocab)
         options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if kind != "chat" and isinstance(prompt, list):
             ids = prompt
         else:
             try:

@@ -261,6 +261,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", None),
     ("/v1/completions", {"model": MODEL}, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 4096]}, "prompt", None),
     ("/v1/completions", {"model": MODEL, "prompt": [5] * 4096}, "prompt",
      "context_length_exceeded"),
 ]
