@@ -403,11 +403,10 @@ async def _events(job: Job):
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Starlette:
     """The ASGI app; ``engine`` must be started (its pair loaded)."""
-    from .speculative import context_limit
     from .tokenizer import encode
 
     tokenizer = engine.pair.tokenizer
-    limit = context_limit(engine.pair.target)
+    limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
 
     def authorize(request: Request):
@@ -431,8 +430,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
         if kind != "chat" and isinstance(prompt, list):
             ids = prompt
         else:
+            template = _get(body, "chat_template_kwargs", (dict,)) if kind == "chat" else None
             try:
-                ids = await run_in_threadpool(encode, tokenizer, prompt, kind == "chat")
+                ids = await run_in_threadpool(encode, tokenizer, prompt, kind == "chat", template)
             except Exception as e:   # no chat template, or the template refuses the messages
                 raise RequestError(f"'{where}' cannot be encoded: "
                                    f"{' '.join(str(e).split()) or type(e).__name__}",

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_dspark import api
 from mlx_dspark.prefix_cache import PrefixCache
-from mlx_dspark.speculative import _arrays
 from mlx_dspark.target import KVCache
 from mlx_dspark.tokenizer import encode
 
@@ -46,14 +47,20 @@ def test_later_steps_never_change_a_snapshot(pair):
     kv = next(c for c in session.cache.layers if isinstance(c, KVCache))
     assert kv.offset < kv.keys.shape[2]     # room left: the next steps write into the buffer
     snap = session.snapshot()
-    before = [np.array(a) for a in _arrays([snap.cache, snap.drafter, snap.pending])]
+    before = _arrays(snap)
     api.generate(pair, list(session.tokens) + [7, 8, 9], max_tokens=30, session=session,
                  speculative=True)
     assert session.tokens[:len(snap.tokens)] == list(snap.tokens)
-    after = [np.array(a) for a in _arrays([snap.cache, snap.drafter, snap.pending])]
+    after = _arrays(snap)
     assert len(before) == len(after) > 0
     assert all(np.array_equal(b, a) for b, a in zip(before, after))
     assert snap.nbytes == sum(a.nbytes for a in before)
+
+
+def _arrays(snap):
+    """Copies of every array a snapshot holds."""
+    return [np.array(x) for _, x in tree_flatten([snap.cache, snap.drafter, snap.pending])
+            if isinstance(x, mx.array)]
 
 
 @dataclass

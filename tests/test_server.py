@@ -253,6 +253,8 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     (CHAT, {"model": MODEL, "messages": USER, "stop": [""]}, "stop", None),
     (CHAT, {"model": MODEL, "messages": USER, "n": 2}, "n", None),
+    (CHAT, {"model": MODEL, "messages": USER, "chat_template_kwargs": [1]},
+     "chat_template_kwargs", None),
     (CHAT, {"model": MODEL, "messages": USER, "stream": "yes"}, "stream", None),
     (CHAT, {"model": MODEL, "messages": USER, "stream": True,
             "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", None),
