@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -316,3 +317,11 @@ def test_signal_with_a_stream_in_flight_ends_it_and_exits_cleanly(sig, status):
     assert rest[-1] == "data: [DONE]" and len(rest) < 50     # stopped at the next token
     assert proc.wait(15) == status
     assert "Traceback" not in proc.stdout.read().decode()
+
+
+def test_missing_model_directory_is_one_line_and_exit_1(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mlx_dspark.cli", "serve", "--model",
+                        str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"mlx-dspark serve: error: {tmp_path / 'nowhere'}: no such model directory"]
