@@ -34,6 +34,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+# Imported here, on the main thread: mlx_lm imported first on another thread can abort the
+# interpreter at exit ("terminate called without an active exception").
+from . import api
+from .prefix_cache import PrefixCache
+from .tokenizer import encode
+
 log = logging.getLogger("mlx_dspark.serve")
 
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
@@ -208,8 +214,6 @@ class Engine:
     request is prefilled from scratch)."""
 
     def __init__(self, load, max_queue: int, cache_bytes: int, decode_options: dict):
-        from .prefix_cache import PrefixCache
-
         self.load, self.max_queue, self.decode_options = load, max_queue, decode_options
         self.cache = PrefixCache(cache_bytes) if cache_bytes > 0 else None
         self.pair = None
@@ -288,8 +292,6 @@ class Engine:
                     self._active -= 1
 
     def _run(self, job: Job):
-        from . import api
-
         session = self.session
         snap = self.cache.find(job.prompt) if self.cache is not None else None
         if snap is not None:
@@ -403,8 +405,6 @@ async def _events(job: Job):
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Starlette:
     """The ASGI app; ``engine`` must be started (its pair loaded)."""
-    from .tokenizer import encode
-
     tokenizer = engine.pair.tokenizer
     limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
