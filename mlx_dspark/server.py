@@ -271,7 +271,7 @@ class Engine:
     def _main(self):
         try:
             self.pair = self.load()
-            self.session = self.pair.session()
+            self.session = self.pair.session(self.decode_options["speculative"])
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
             return
