@@ -78,6 +78,7 @@ COMMANDS: list[Command] = [
     Command("bench", commands.BENCH_HELP, commands.bench_arguments, commands.run_bench),
     Command("verify", "check every byte of a converted directory against its conversion receipt",
             _verify_arguments, _verify),
+    Command("serve", commands.SERVE_HELP, commands.serve_arguments, commands.run_serve),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat`` and ``bench`` (DESIGN §3).
+"""The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat``, ``bench`` and ``serve``
+(DESIGN §3).
 
 This module only defines arguments and handlers; MLX, the models and the tokenizer are
 imported inside the handlers, so ``mlx-dspark convert`` and ``--help`` stay quick. Problems a
@@ -10,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_support import (CatchInterrupt, CommandError, _at_least, _one_line, _positive,
-                          add_model_arguments, add_sampling_arguments, format_stats,
+from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
+                          _positive, add_model_arguments, add_sampling_arguments, format_stats,
                           generation_kwargs, load_pair, require_chat_template, utf8_text)
 
 
@@ -136,3 +137,42 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from . import bench_cli
     return bench_cli.run(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+
+
+SERVE_HELP = "an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)"
+
+
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_at_least(0), default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
+                   help="requests that may wait while one generates; more get HTTP 503 "
+                        "(default 16)")
+    p.add_argument("--prefix-cache-mb", type=_at_least(0), default=1024, metavar="MB",
+                   help="memory for state snapshots a request can continue from (a chat's "
+                        "earlier turns); 0 turns prefix reuse off (default 1024)")
+    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
+                   help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
+                   help="auto: speculate only while it pays (default); on: always; off: never")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .server import Engine, serve
+
+    decode = dict(num_draft=args.num_draft, speculative=SPECULATIVE[args.speculative])
+    engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20, decode)
+    engine.start()      # loads the pair on the engine's thread; CommandError comes back here
+    serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
+          args.port, args.api_key)
+    return 0

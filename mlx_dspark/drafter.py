@@ -169,6 +169,15 @@ class Drafter(nn.Module):
         empty = mx.zeros((1, self.config.num_kv_heads, 0, self.config.head_dim), self.dtype)
         self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
 
+    def state(self):
+        """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
+        into them, so the state stays valid while the drafter goes on)."""
+        return self.length, tuple(self._cache)
+
+    def set_state(self, state):
+        self.length, cache = state
+        self._cache = list(cache)
+
     def shared_embedding(self) -> mx.array:
         """The target's embedding table, read through ``target.embed`` in chunks."""
         v = self.config.vocab_size

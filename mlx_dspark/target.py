@@ -177,6 +177,32 @@ class TargetCache:
     def __getitem__(self, i):
         return self.layers[i]
 
+    def snapshot(self):
+        """This state in arrays that later steps cannot change, for :meth:`restore`. KV buffers
+        are written in place (slice assignment), so their filled part is copied; Mamba states
+        are only ever replaced, never written into, so they are shared."""
+        if self.pending is not None:
+            raise RuntimeError("snapshot() between a verify and its commit")
+        layers = tuple(None if c is None else
+                       (c.conv, c.ssm) if isinstance(c, MambaCache) else
+                       None if c.keys is None else tuple(mx.contiguous(x) for x in c.state())
+                       for c in self.layers)
+        mx.eval([x for layer in layers if layer for x in layer if x is not None])
+        return self.offset, layers
+
+    def restore(self, state):
+        """Take the state of an earlier :meth:`snapshot` (which stays usable)."""
+        self.offset, layers = state
+        self.pending = None
+        for c, s in zip(self.layers, layers):
+            if isinstance(c, MambaCache):
+                (c.conv, c.ssm), c.record = s, None
+            elif isinstance(c, KVCache):
+                c.keys = c.values = None
+                c.offset = 0
+                if s is not None:
+                    c.update(*s)      # into a fresh buffer: the snapshot is never written
+
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (to evaluate pending rollback work)."""
         return _arrays(self)
