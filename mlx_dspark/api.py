@@ -83,14 +83,20 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                    session: Session | None = None) -> Iterator[Chunk]:
+                    session: Session | None = None,
+                    sampling: str = "reproducible") -> Iterator[Chunk]:
     """Yield one chunk per generated token, then a final chunk (token None).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
     list of chat messages, or a list of token ids used verbatim. ``stop``: extra stop token
     ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
     part of the output; a stop string ends the text just before it (the token that completed it
-    is kept in ``tokens``)."""
+    is kept in ``tokens``).
+
+    ``sampling``: "reproducible" (a ``seed`` gives the same tokens whether or not and however
+    the drafter speculates) or "rejection" (more drafts accepted, same distribution; see
+    docs/sampling.md). Greedy decoding (temperature 0) is the same in both."""
+    sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
     prompt_ids = _prompt_ids(pair, prompt, chat)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     stop_strings = [s for s in stop if isinstance(s, str)]
@@ -113,7 +119,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
         session = Session(pair.target, pair.drafter if speculative is not False else None)
         session.controller = pair.controller
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
-                    sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
+                    sampler=sampler, num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
                     session=session)
     for token in tokens:

@@ -40,13 +40,23 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="random seed for sampling; with --sampling reproducible (the default) "
+                        "the same seed gives the same text in every --speculative mode")
+    add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
                    help="turn the chat template's reasoning on or off, where it has the switch")
+
+
+def add_scheme_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sampling", choices=("reproducible", "rejection"), default="reproducible",
+                   help="reproducible: a seed fixes the text whatever the drafter does "
+                        "(default); rejection: accepts more drafts, same distribution, "
+                        "reproducible only in the same mode (docs/sampling.md)")
 
 
 def _at_least(low: int):
@@ -64,8 +74,17 @@ _positive = _at_least(1)
 
 
 def load_pair(args: argparse.Namespace):
-    """The pair named by --model/--drafter/--dtype, or the embedded demo pair."""
+    """The pair named by --model/--drafter/--dtype, or the embedded demo pair; the sampling
+    options are checked first, so a typo costs no loading time."""
     from . import api
+    from .speculative import Sampler
+
+    try:
+        Sampler(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
+    except ValueError as e:
+        raise CommandError(_one_line(e).replace("temperature", "--temp")
+                           .replace("top_p", "--top-p").replace("top_k", "--top-k")
+                           .replace("sampling must", "--sampling must")) from None
 
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
@@ -97,7 +116,7 @@ def require_chat_template(pair, args: argparse.Namespace) -> None:
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
-                speculative=SPECULATIVE[args.speculative])
+                speculative=SPECULATIVE[args.speculative], sampling=args.sampling)
 
 
 def _one_line(e: Exception) -> str:
@@ -210,6 +229,10 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                         "have steps to time (default 64)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
+    add_scheme_argument(p)
     p.add_argument("--repeats", type=_positive, default=1, metavar="R",
                    help="runs per prompt and mode; the median is reported (default 1)")
     p.add_argument("--domains", metavar="LIST",

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from .kernels.attention import sink_attention, window_mask
 from .quant import GROUP_SIZE, ScaledLinear, make_linear, module_format
-from .sampling import draw, warp
+from .sampling import gumbel_max
 
 LAYOUT = "mlx-dspark/1"
 
@@ -515,25 +515,23 @@ class Drafter(nn.Module):
         return self._target.lm_head(h).astype(mx.float32)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, key=None):
+                top_k: int = 0, noise: mx.array | None = None):
         """Draft ``n`` tokens after ``bonus`` (which sits at position ``length``).
 
-        Returns ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits each token
-        was drawn from (warp them with ``sampling.warp`` to get the draft distribution)."""
+        ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
+        noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
+        argmax. Returns lazy ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits
+        each token was drawn from (warp them with ``sampling.warp`` for the distribution)."""
         if not 1 <= n < self.config.block_size:
             raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
                              f"tokens (block_size {self.config.block_size})")
         u = self.block_logits(bonus, n)
-        keys = mx.random.split(key, n) if key is not None else [None] * n
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
         tokens, logits = [], []
         for j in range(n):
             z = u[j:j + 1] + self.markov_head(prev)
-            if temperature == 0:
-                # warp's one-hot argmax, without building a [V, V] identity
-                prev = mx.argmax(z, axis=-1).astype(mx.int32)
-            else:
-                prev = draw(warp(z, temperature, top_p, top_k), key=keys[j]).astype(mx.int32)
+            g = None if noise is None else noise[j:j + 1]
+            prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
             tokens.append(prev)
             logits.append(z)
         return mx.concatenate(tokens), mx.concatenate(logits)

@@ -5,7 +5,7 @@
       catch up the drafter gets the taps of tokens it has not seen (prompt, serial steps)
       draft    d1..dN = drafter.propose(bonus, N)             (+ the draft distributions)
       verify   target over [bonus, d1..dN] in one pass        -> p_0..p_N, taps
-      accept   greedy argmax match / rejection sampling       -> a accepted, next token
+      accept   coupled match (same Gumbel noise) / rejection  -> a accepted, next token
       commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
 
 A serial step is the same machinery with no drafts. The break-even controller decides, before
@@ -28,15 +28,57 @@ from .controller import Controller
 
 @dataclass(frozen=True)
 class Sampler:
-    """How tokens are chosen; the same warping applies to target and draft distributions."""
+    """How tokens are chosen; the same warping applies to target and draft distributions.
+
+    ``scheme`` (``sampling.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
+    every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
+    but reproduces only in distribution. Both are exact samplers of the warped target;
+    greedy (temperature 0) is the same in both."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    scheme: str = "reproducible"
+
+    def __post_init__(self):
+        sampling.check_params(self.temperature, self.top_p, self.top_k, self.scheme)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
+        """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
+        return sampling.gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise)
+
+    def warp(self, logits: mx.array) -> mx.array:
+        return sampling.warp(logits, self.temperature, self.top_p, self.top_k)
+
+
+class Noise:
+    """The Gumbel noise of one decode call: by absolute position ("reproducible"), fresh from
+    a key split per use ("rejection"), or none (greedy)."""
+
+    def __init__(self, sampler: Sampler, seed: int | None):
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, not {seed!r}")
+        self.sampler = sampler
+        self.word = sampling.seed_word(seed)
+        self.key = mx.random.key(seed % 2 ** 64)
+
+    def next_key(self):
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def at(self, start: int, n: int, vocab: int) -> mx.array | None:
+        """Noise ``[n, vocab]`` for the tokens at positions start..start+n-1."""
+        if self.sampler.greedy:
+            return None
+        if self.sampler.scheme == "reproducible":
+            return sampling.position_noise(self.word, start, n, vocab)
+        return mx.random.gumbel((n, vocab), key=self.next_key())
 
 
 @dataclass
@@ -173,45 +215,47 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
     return logits[0, -1]
 
 
-def pick(logits: mx.array, sampler: Sampler, key) -> int:
-    """Choose one token from one row of target logits."""
-    if sampler.greedy:
-        return mx.argmax(logits).item()
-    return sampling.draw(sampling.warp(logits, sampler.temperature, sampler.top_p,
-                                       sampler.top_k), key=key).item()
+def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int) -> mx.array:
+    """Choose the token at ``position`` from one row of target logits (lazy, shape [])."""
+    return sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
 
 
-def serial_step(session: Session, token: int, sampler: Sampler, key, tap: bool) -> int:
-    """Feed one token, choose the next."""
+def serial_step(session: Session, token: int, sampler: Sampler, noise: Noise,
+                tap: bool) -> mx.array:
+    """Feed one token, choose the next (lazy)."""
+    position = len(session.tokens) + 1
     logits, taps = session.target.step(mx.array([[token]]), session.cache,
                                        tap_layers=session.tap_layers if tap else None)
     session.feed([token], taps)
-    return pick(logits[0, -1], sampler, key)
+    return pick(logits[0, -1:], sampler, noise, position)
 
 
-def draft(session: Session, bonus: int, n: int, sampler: Sampler, key):
-    """The drafter proposes d1..dn after the bonus; returns them and their logits."""
-    tokens, logits = session.drafter.propose(bonus, n, temperature=sampler.temperature,
-                                             top_p=sampler.top_p, top_k=sampler.top_k, key=key)
-    mx.eval(tokens, logits)
-    return tokens.tolist(), logits
+def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None):
+    """The drafter proposes d1..dn after the bonus with ``noise`` [n, V]; lazy tokens and
+    logits."""
+    return session.drafter.propose(bonus, n, temperature=sampler.temperature,
+                                   top_p=sampler.top_p, top_k=sampler.top_k, noise=noise)
 
 
-def verify(session: Session, bonus: int, drafts: list[int]):
-    """One target pass over [bonus, d1..dn]: logits [n+1, V] and taps [n+1, ...]."""
-    logits, taps = session.target.verify(mx.array([[bonus] + drafts]), session.cache,
+def verify(session: Session, bonus: int, drafts: mx.array):
+    """One target pass over [bonus, d1..dn] (drafts still lazy): logits [n+1, V] and taps."""
+    tokens = mx.concatenate([mx.array([bonus], dtype=mx.int32), drafts.astype(mx.int32)])
+    logits, taps = session.target.verify(tokens[None], session.cache,
                                          tap_layers=session.tap_layers)
-    mx.eval(logits, taps)
     return logits[0], taps
 
 
-def accept(drafts: list[int], draft_logits: mx.array, target_logits: mx.array,
-           sampler: Sampler, key) -> tuple[int, int]:
-    """How many drafts survive, and the token after them (DESIGN §7 step 3)."""
-    if sampler.greedy:
-        return sampling.accept_greedy(drafts, target_logits)
-    warp = lambda x: sampling.warp(x, sampler.temperature, sampler.top_p, sampler.top_k)
-    return sampling.accept_sampled(drafts, warp(target_logits), warp(draft_logits), key)
+def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
+           sampler: Sampler, noise: mx.array | None, key) -> tuple[mx.array, mx.array]:
+    """How many drafts survive, and the token after them (DESIGN §7 step 3), both lazy.
+
+    ``noise`` is the noise the drafts were drawn with (rows 1..n) plus the row after them:
+    the coupled scheme compares each draft with the target's Gumbel-max token under the same
+    noise; rejection sampling compares the two warped distributions."""
+    if sampler.greedy or sampler.scheme == "reproducible":
+        return sampling.accept_coupled(drafts, sampler.choose(target_logits, noise))
+    return sampling.accept_rejection(drafts, sampler.warp(target_logits),
+                                     sampler.warp(draft_logits), key)
 
 
 def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):
@@ -239,6 +283,10 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
         raise ValueError(f"speculative must be 'auto', True or False, not {speculative!r}")
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, not {num_draft}")
+    vocab = target.config.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
     limit = context_limit(target)
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt has {len(prompt)} tokens; the model's context limit is "
@@ -259,19 +307,14 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
     if control is None or control.num_draft != num_draft or control.forced != forced:
         control = session.controller = Controller(num_draft, forced=forced)
     switches_before = control.switches
-    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-
-    def next_key():
-        nonlocal key
-        key, sub = mx.random.split(key)
-        return sub
+    noise = Noise(sampler, seed)
 
     if max_tokens <= 0:
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
-    token = pick(prefill(session, prompt, tap=tap), sampler, next_key())
+    token = pick(prefill(session, prompt, tap=tap)[None], sampler, noise, len(prompt)).item()
     stats.t_prefill = time.perf_counter() - t0
     stats.generated = 1
     yield token
@@ -287,10 +330,10 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
             return
         n = min(num_draft, room - 1)
         if use_drafter and n >= 1 and control.speculate_next():
-            out = _round(session, token, n, sampler, next_key, stops, stats, control)
+            out = _round(session, token, n, sampler, noise, stops, stats, control)
         else:
             t0 = time.perf_counter()
-            out = [serial_step(session, token, sampler, next_key(), tap=tap)]
+            out = [serial_step(session, token, sampler, noise, tap=tap).item()]
             dt = time.perf_counter() - t0
             stats.t_serial += dt
             stats.serial_steps += 1
@@ -303,23 +346,29 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
             yield token
 
 
-def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[int]:
-    """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
+def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int]:
+    """One speculative round; returns the tokens it emits (accepted drafts + next token).
+
+    Drafts, verify and acceptance are built as one lazy graph and read back once."""
     t_start = time.perf_counter()
     session.flush()     # context the drafter missed during serial steps (or the prompt)
     t0 = time.perf_counter()
-    drafts, draft_logits = draft(session, bonus, n, sampler, next_key())
+    # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
+    g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
+    drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])
     t1 = time.perf_counter()
     target_logits, taps = verify(session, bonus, drafts)
+    a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
+                    None if sampler.greedy else noise.next_key())
+    read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
+    a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
-    a, nxt = accept(drafts, draft_logits, target_logits, sampler, next_key())
-    out = drafts[:a] + [nxt]
     # A stop token among the accepted drafts ends the run there; like serial decoding, the
     # stop token is emitted but never fed to the target.
     stop_at = next((i for i, t in enumerate(out) if t in stops), len(out) - 1)
     out = out[:stop_at + 1]
     t3 = time.perf_counter()
-    commit(session, bonus, drafts, taps, keep=len(out))
+    commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
     stats.rounds += 1
     stats.drafted += n
