@@ -474,6 +474,11 @@ class Drafter(nn.Module):
         self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
 
     @property
+    def state(self) -> list[mx.array]:
+        """The context cache's arrays (``add_context`` leaves them lazy)."""
+        return [x for kv in self._cache for x in kv]
+
+    @property
     def cache_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._cache)
 
@@ -498,7 +503,6 @@ class Drafter(nn.Module):
             cache.append((k, v))
         self._cache = cache
         self.length = start_pos + taps.shape[0]
-        mx.eval(self._cache)
 
     def block_logits(self, bonus, n: int) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""

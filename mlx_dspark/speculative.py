@@ -178,11 +178,14 @@ class Session:
             self.pending.append(taps)
         self.tokens.extend(tokens)
 
-    def flush(self):
-        if self.pending:
-            taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
-            self.drafter.add_context(taps, self.pending_start)
-            self.pending = []
+    def flush(self) -> int:
+        """Hand the queued taps to the drafter (lazily); returns how many tokens."""
+        if not self.pending:
+            return 0
+        taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
+        self.drafter.add_context(taps, self.pending_start)
+        self.pending = []
+        return taps.shape[0]
 
 
 def context_limit(target) -> int | None:
@@ -220,14 +223,14 @@ def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int) -> mx.
     return sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
 
 
-def serial_step(session: Session, token: int, sampler: Sampler, noise: Noise,
-                tap: bool) -> mx.array:
-    """Feed one token, choose the next (lazy)."""
+def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool):
+    """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
+    the lazy next token and the taps; the caller feeds the token once it has read it."""
     position = len(session.tokens) + 1
-    logits, taps = session.target.step(mx.array([[token]]), session.cache,
+    logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
+                                       session.cache,
                                        tap_layers=session.tap_layers if tap else None)
-    session.feed([token], taps)
-    return pick(logits[0, -1:], sampler, noise, position)
+    return pick(logits[0, -1:], sampler, noise, position), taps
 
 
 def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None):
@@ -261,7 +264,7 @@ def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
 def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):
     """Keep the first ``keep`` verified tokens (bonus, d1..d_{keep-1}); drop the rest."""
     session.target.commit(session.cache, keep)
-    mx.eval(_arrays(session.cache))
+    mx.async_eval(_arrays(session.cache))     # the rollback runs while Python goes on
     session.feed([bonus] + drafts[:keep - 1], taps[:keep])
 
 
@@ -318,32 +321,63 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
     stats.t_prefill = time.perf_counter() - t0
     stats.generated = 1
     yield token
-    while True:
-        if token in stops:
-            stats.finish_reason = "stop"
-            return
-        room = max_tokens - stats.generated
-        if limit is not None:
-            room = min(room, limit - len(session.tokens) - 1)
-        if room <= 0:
-            stats.finish_reason = "length"
-            return
-        n = min(num_draft, room - 1)
-        if use_drafter and n >= 1 and control.speculate_next():
-            out = _round(session, token, n, sampler, noise, stops, stats, control)
-        else:
-            t0 = time.perf_counter()
-            out = [serial_step(session, token, sampler, noise, tap=tap).item()]
-            dt = time.perf_counter() - t0
-            stats.t_serial += dt
-            stats.serial_steps += 1
-            control.observe_serial(dt)
-        stats.switches = control.switches - switches_before
-        stats.predicted_speedup = control.predicted_speedup()
-        stats.mode = "speculative" if use_drafter and control.speculating else "serial"
-        for token in out:
-            stats.generated += 1
-            yield token
+    # Serial steps are pipelined (as mlx-lm's generate_step): the next step is built on the
+    # lazy token and queued before this one is read. ``ahead`` is that step (lazy token,
+    # taps, a cache mark to undo it if the token read turns out to end the run).
+    ahead = None
+    try:
+        while True:
+            if token in stops:
+                stats.finish_reason = "stop"
+                return
+            room = max_tokens - stats.generated
+            if limit is not None:
+                room = min(room, limit - len(session.tokens) - 1)
+            if room <= 0:
+                stats.finish_reason = "length"
+                return
+            if ahead is None and _speculate(control, use_drafter, num_draft, room):
+                out = _round(session, token, min(num_draft, room - 1), sampler, noise, stops,
+                             stats, control)
+            else:
+                t0 = time.perf_counter() if ahead is None else t_read
+                if ahead is None:
+                    nxt, taps = serial_step(session, token, sampler, noise, tap)
+                    mx.async_eval(nxt)
+                else:
+                    nxt, taps, _ = ahead
+                    ahead = None
+                session.feed([token], taps)
+                # Build ahead only within a serial stretch: while speculating, a serial step is
+                # a single cost refresh, decided after it is observed.
+                if room >= 2 and not (use_drafter and control.speculating) \
+                        and not _speculate(control, use_drafter, num_draft, room - 1):
+                    mark = session.cache.mark()
+                    ahead = (*serial_step(session, nxt, sampler, noise, tap), mark)
+                    mx.async_eval(ahead[0])
+                nxt = nxt.item()
+                t_read = time.perf_counter()
+                if ahead is not None and nxt in stops:
+                    session.cache.rewind(ahead[2])   # a stop token is emitted, never fed
+                    ahead = None
+                stats.t_serial += t_read - t0
+                stats.serial_steps += 1
+                control.observe_serial(t_read - t0)
+                out = [nxt]
+            stats.switches = control.switches - switches_before
+            stats.predicted_speedup = control.predicted_speedup()
+            stats.mode = "speculative" if use_drafter and control.speculating else "serial"
+            for token in out:
+                stats.generated += 1
+                yield token
+    finally:
+        if ahead is not None:      # closed early (a stop string): undo the step built ahead
+            session.cache.rewind(ahead[2])
+
+
+def _speculate(control, use_drafter: bool, num_draft: int, room: int) -> bool:
+    """Whether the next step (with ``room`` tokens left to generate) is a speculative round."""
+    return use_drafter and min(num_draft, room - 1) >= 1 and control.speculate_next()
 
 
 def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int]:
@@ -351,7 +385,10 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
 
     Drafts, verify and acceptance are built as one lazy graph and read back once."""
     t_start = time.perf_counter()
-    session.flush()     # context the drafter missed during serial steps (or the prompt)
+    if session.flush() > n + 1:
+        # A catch-up (the prompt, serial steps) is work per token, not per round: computed
+        # before the round's clock starts, so the controller prices rounds without it.
+        mx.eval(session.drafter.state)
     t0 = time.perf_counter()
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
@@ -380,7 +417,6 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     stats.t_verify += t2 - t1
     stats.t_rollback += t4 - t3
     stats.t_round += t4 - t_start
-    # The catch-up is work per token, not per round: the controller prices rounds without it.
     control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
     return out
 

@@ -184,6 +184,20 @@ class TargetCache:
     def __getitem__(self, i):
         return self.layers[i]
 
+    def mark(self):
+        """A cheap restore point (offsets and references to the Mamba states, no copies)."""
+        return self.offset, [c.offset if isinstance(c, KVCache) else (c.conv, c.ssm)
+                             if isinstance(c, MambaCache) else None for c in self.layers]
+
+    def rewind(self, mark):
+        """Forget every step taken since ``mark`` (the decode loop's step built ahead)."""
+        self.offset, states = mark
+        for c, state in zip(self.layers, states):
+            if isinstance(c, KVCache):
+                c.offset = state
+            elif isinstance(c, MambaCache):
+                c.conv, c.ssm = state
+
 
 # ------------------------------------------------------------------------------- blocks
 

@@ -35,6 +35,10 @@ class OracleDrafter:
     def target_layer_ids(self):
         return self._ids
 
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else []
+
     def reset(self):
         self.length = 0
         if self.inner is not None:
