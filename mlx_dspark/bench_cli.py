@@ -195,7 +195,7 @@ def machine() -> dict:
 
     return {"system": platform.system(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": mx.__version__,
-            "device": "gpu" if mx.metal.is_available() else "cpu"}
+            "device": str(mx.default_device().type).removeprefix("DeviceType.")}
 
 
 # ---------------------------------------------------------------------------------------------

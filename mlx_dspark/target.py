@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .kernels import mamba as K
-from .quant import make_experts, make_linear
+from .quant import make_experts, make_linear, on_gpu
 
 SERIAL_MAX = 8
 """Longest block whose SSM recurrence runs position by position (covers N+1 <= 8 verify)."""
@@ -476,11 +476,11 @@ class NemotronH(nn.Module):
 
 
 def default_dtype():
-    """bf16 on Metal. float32 on MLX's CPU backend, where it is the faster choice (measured,
+    """bf16 on a GPU (any MLX GPU backend). float32 on MLX's CPU backend, where it is the faster choice (measured,
     benchmarks/bench_target.py and quant.NVFP4_POLICY): the CPU nvfp4 kernels and
     ``gather_qmm`` are 5-8x slower with bf16 activations, ``gather_mm`` accepts only float32,
     and only float32 matmuls go through BLAS."""
-    return mx.bfloat16 if mx.metal.is_available() else mx.float32
+    return mx.bfloat16 if on_gpu() else mx.float32
 
 
 def _stack_experts(w: dict, n_layers: int) -> dict:
