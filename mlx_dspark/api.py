@@ -84,7 +84,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                     session: Session | None = None,
-                    sampling: str = "reproducible") -> Iterator[Chunk]:
+                    sampling: str = "rejection") -> Iterator[Chunk]:
     """Yield one chunk per generated token, then a final chunk (token None).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
@@ -93,9 +93,9 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     part of the output; a stop string ends the text just before it (the token that completed it
     is kept in ``tokens``).
 
-    ``sampling``: "reproducible" (a ``seed`` gives the same tokens whether or not and however
-    the drafter speculates) or "rejection" (more drafts accepted, same distribution; see
-    docs/sampling.md). Greedy decoding (temperature 0) is the same in both."""
+    ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
+    gives the same tokens whether or not and however the drafter speculates); both sample
+    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both."""
     sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
     prompt_ids = _prompt_ids(pair, prompt, chat)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])

@@ -41,8 +41,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
     p.add_argument("--seed", type=int, metavar="S",
-                   help="random seed for sampling; with --sampling reproducible (the default) "
-                        "the same seed gives the same text in every --speculative mode")
+                   help="random seed for sampling: reproduces a run in the same --speculative "
+                        "mode; with --sampling reproducible, in every mode")
     add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
@@ -53,10 +53,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def add_scheme_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sampling", choices=("reproducible", "rejection"), default="reproducible",
-                   help="reproducible: a seed fixes the text whatever the drafter does "
-                        "(default); rejection: accepts more drafts, same distribution, "
-                        "reproducible only in the same mode (docs/sampling.md)")
+    p.add_argument("--sampling", choices=("rejection", "reproducible"), default="rejection",
+                   help="rejection: accepts the most drafts (default); reproducible: a seed "
+                        "fixes the text whatever the drafter does, at some acceptance "
+                        "(docs/sampling.md)")
 
 
 def _at_least(low: int):

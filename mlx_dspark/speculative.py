@@ -38,7 +38,7 @@ class Sampler:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    scheme: str = "reproducible"
+    scheme: str = sampling.DEFAULT_SCHEME
 
     def __post_init__(self):
         sampling.check_params(self.temperature, self.top_p, self.top_k, self.scheme)

@@ -32,7 +32,9 @@ def unpipelined(target, prompt, n, sampler, seed):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("sampler", [Sampler(), Sampler(1.0, top_p=0.9)], ids=["greedy", "T1"])
+@pytest.mark.parametrize("sampler", [Sampler(), Sampler(1.0, top_p=0.9, scheme="reproducible"),
+                                     Sampler(1.0, top_p=0.9, scheme="rejection")],
+                         ids=["greedy", "reproducible", "rejection"])
 def test_pipelined_serial_decoding_gives_the_unpipelined_tokens(target, sampler):
     out = list(decode(target, None, PROMPT, max_tokens=20, speculative=False, sampler=sampler,
                       seed=5))
@@ -74,7 +76,7 @@ class HostReads:
                 monkeypatch.setattr(mx.array, name, counted(getattr(mx.array, name)))
 
 
-@pytest.mark.parametrize("sampler", [Sampler(), Sampler(1.0, top_p=0.95),
+@pytest.mark.parametrize("sampler", [Sampler(), Sampler(1.0, top_p=0.95, scheme="reproducible"),
                                      Sampler(1.0, scheme="rejection")],
                          ids=["greedy", "reproducible", "rejection"])
 def test_a_speculative_round_blocks_at_most_twice_and_once_while_speculating(

@@ -5,6 +5,8 @@ often) and auto give identical token sequences, for several seeds, temperatures,
 and every num_draft, across chat turns on one session and across controller switches (driven
 by a scripted controller, not by timing)."""
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 
@@ -15,16 +17,17 @@ from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
 from oracle_drafter import OracleDrafter
 
 V = 97
+R = partial(Sampler, scheme="reproducible")
 LENGTH = 20
 PROMPT = [3, 14, 15, 92, 65, 35]
 CASES = [  # (num_draft, seed, sampler): every num_draft, a spread of settings
-    (1, 0, Sampler(0.7)),
-    (2, 1, Sampler(1.0, top_p=0.95)),
-    (3, 2, Sampler(1.0)),
-    (4, 3, Sampler(1.3, top_k=20)),
-    (5, 4, Sampler(0.7, top_p=0.9, top_k=40)),
-    (6, 5, Sampler(1.0, top_p=0.95)),
-    (7, 6, Sampler(2.0, top_p=0.8)),
+    (1, 0, R(0.7)),
+    (2, 1, R(1.0, top_p=0.95)),
+    (3, 2, R(1.0)),
+    (4, 3, R(1.3, top_k=20)),
+    (5, 4, R(0.7, top_p=0.9, top_k=40)),
+    (6, 5, R(1.0, top_p=0.95)),
+    (7, 6, R(2.0, top_p=0.8)),
 ]
 TIE = 1e-4   # verify and serial logits agree to ~1e-6 in fp32 (see test_speculative)
 
@@ -99,7 +102,7 @@ def test_serial_speculative_and_auto_give_the_same_tokens(target, drafter, n, se
 
 
 def test_chat_turns_on_one_session_keep_absolute_positions(target, drafter):
-    sampler, seed = Sampler(1.0, top_p=0.95), 11
+    sampler, seed = R(1.0, top_p=0.95), 11
     session = Session(target, drafter)
     first = run(target, drafter, PROMPT, True, 3, seed, sampler, session=session)
     follow = PROMPT + first + [7, 8, 9]
