@@ -138,44 +138,49 @@ def mlx_lm_step_primitives(model) -> int:
     return primitives(mx.argmax(model(mx.array([[7]]), cache=cache)[:, -1], -1))
 
 
-def round_profile(pkg, tokens, repeats) -> dict:
+class RoundProfile:
     """Forced speculation with the demo pair: per-round wall time and blocking host reads,
     and the overhead beyond the round's parts timed one by one (cost model, DESIGN §8)."""
-    spec = importlib.import_module(pkg.__name__ + ".speculative")
-    pair = pkg.load()
-    t, d = pair.target, pair.drafter
-    prompt = pair.tokenizer.encode("def fibonacci(n):\n")
-    per_round, reads = [], []
-    for _ in range(repeats + 1):
+
+    def __init__(self, pkg, tokens):
+        self.spec = importlib.import_module(pkg.__name__ + ".speculative")
+        pair = pkg.load()
+        self.t, self.d, self.tokens = pair.target, pair.drafter, tokens
+        self.prompt = pair.tokenizer.encode("def fibonacci(n):\n")
+        self.rounds, self.reads, self.parts = [], [], []
+
+    def measure(self):
+        spec, t, d = self.spec, self.t, self.d
         stats = spec.Stats()
         with HostReads() as h:
-            for _ in spec.decode(t, d, prompt, max_tokens=tokens, speculative=True, stats=stats):
+            for _ in spec.decode(t, d, self.prompt, max_tokens=self.tokens, speculative=True,
+                                 stats=stats):
                 pass
-        per_round.append(stats.t_round / stats.rounds)
-        reads.append((h.count - 1) / stats.rounds)      # minus the prefill's read
-    # the parts, each evaluated alone: propose(3), verify(4), rollback of 2 positions
-    session = spec.Session(t, d)
-    mx.eval(spec.prefill(session, prompt, tap=True), session.pending)
-    session.flush()
-    parts = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        drafts, _ = d.propose(9, 3)
-        mx.eval(drafts)
-        t1 = time.perf_counter()
-        lg, tp = t.verify(mx.array([[9] + drafts.tolist()]), session.cache,
-                          tap_layers=session.tap_layers)
-        mx.eval(lg, tp)
-        t2 = time.perf_counter()
-        t.commit(session.cache, 2)
-        mx.eval(spec._arrays(session.cache))
-        t3 = time.perf_counter()
-        parts.append((t1 - t0, t2 - t1, t3 - t2))
-    med = [statistics.median(p[i] for p in parts[5:]) for i in range(3)]
-    round_s = statistics.median(per_round[1:])
-    return {"round_ms": 1e3 * round_s, "parts_ms": [1e3 * x for x in med],
-            "overhead_ms": 1e3 * (round_s - sum(med)),
-            "blocking_reads_per_round": statistics.median(reads[1:])}
+        self.rounds.append(stats.t_round / stats.rounds)
+        self.reads.append((h.count - 1) / stats.rounds)      # minus the prefill's read
+        # the parts, each evaluated alone: propose(3), verify(4), rollback to 2 positions
+        session = spec.Session(t, d)
+        mx.eval(spec.prefill(session, self.prompt, tap=True), session.pending)
+        session.flush()
+        for _ in range(8):
+            t0 = time.perf_counter()
+            drafts, _ = d.propose(9, 3)
+            mx.eval(drafts)
+            t1 = time.perf_counter()
+            lg, tp = t.verify(mx.array([[9] + drafts.tolist()]), session.cache,
+                              tap_layers=session.tap_layers)
+            mx.eval(lg, tp)
+            t2 = time.perf_counter()
+            t.commit(session.cache, 2)
+            mx.eval(spec._arrays(session.cache))
+            self.parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+
+    def report(self) -> dict:
+        med = [statistics.median(p[i] for p in self.parts[8:]) for i in range(3)]
+        round_s = statistics.median(self.rounds[1:])
+        return {"round_ms": 1e3 * round_s, "parts_ms": [1e3 * x for x in med],
+                "overhead_ms": 1e3 * (round_s - sum(med)),
+                "blocking_reads_per_round": statistics.median(self.reads[1:])}
 
 
 def main():
@@ -211,7 +216,11 @@ def main():
     graphs["mlx-lm random"] = {"serial_step": mlx_lm_step_primitives(ref)}
     graphs["after random"] = {"serial_step": count_graphs(
         impls["after"], random_targets["after"], impls["after"].load().drafter)["serial_step"]}
-    rounds = {name: round_profile(pkg, 64, 3) for name, pkg in impls.items()}
+    profiles = {name: RoundProfile(pkg, 64) for name, pkg in impls.items()}
+    for rep in range(a.repeats + 1):
+        for name in (list(profiles) if rep % 2 else list(profiles)[::-1]):
+            profiles[name].measure()
+    rounds = {name: p.report() for name, p in profiles.items()}
     report = {"blas": os.environ.get("LD_PRELOAD", "") or "MLX's bundled BLAS",
               "serial_tokens_per_s": serial, "primitives": graphs, "rounds": rounds}
     print(json.dumps(report, indent=1))

@@ -30,15 +30,26 @@ def causal_conv(padded: mx.array, weight: mx.array, bias: mx.array | None) -> mx
     """Depthwise causal conv over ``padded (b, K-1+t, c)`` with ``weight (c, K)``.
 
     Written as a fixed-order sum of K shifted products so that the value at a position
-    depends only on its own window, never on how many positions are computed together."""
+    depends only on its own window, never on how many positions are computed together.
+    Compiled (one fused kernel; the same one for a step, a verify and a prefill piece)."""
+    if bias is None:
+        return _conv(padded, weight)
+    return _conv_bias(padded, weight, bias)
+
+
+@mx.compile
+def _conv(padded, weight):
     k = weight.shape[1]
     t = padded.shape[1] - (k - 1)
     out = padded[:, 0:t] * weight[:, 0]
     for i in range(1, k):
         out = out + padded[:, i:i + t] * weight[:, i]
-    if bias is not None:
-        out = out + bias
     return out
+
+
+@mx.compile
+def _conv_bias(padded, weight, bias):
+    return _conv(padded, weight) + bias
 
 
 def _per_head(v: mx.array, heads: int) -> mx.array:

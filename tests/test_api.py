@@ -167,3 +167,10 @@ def test_a_seed_gives_the_same_text_in_every_mode_with_reproducible_sampling(pai
     texts = {md.generate(pair, PROMPTS[0], speculative=s, num_draft=n, **kw).text
              for s, n in ((False, 3), (True, 1), (True, 5), ("auto", 3))}
     assert len(texts) == 1
+
+
+def test_any_integer_seed_is_accepted_modulo_two_to_the_64(pair):
+    kw = dict(max_tokens=8, temperature=1.0, speculative=False)
+    assert md.generate(pair, PROMPTS[0], seed=2 ** 64, **kw).tokens == \
+        md.generate(pair, PROMPTS[0], seed=0, **kw).tokens
+    assert len(md.generate(pair, PROMPTS[0], seed=-1, **kw).tokens) == 8
