@@ -27,14 +27,13 @@ import sys
 import time
 
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from bench_loop import DEMO_SHAPE  # noqa: E402
-from target_helpers import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config  # noqa: E402
+from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config  # noqa: E402
 
 PROMPT = [(37 * i) % 4000 + 11 for i in range(40)]
 
@@ -44,6 +43,11 @@ def primitives(*outs) -> int:
     f = io.StringIO()
     mx.export_to_dot(f, *outs)
     return sum("shape=rectangle" in line for line in f.getvalue().splitlines())
+
+
+def cache_arrays(spec, cache) -> list:
+    """A target cache's arrays (the earlier version walked the cache in the loop module)."""
+    return cache.arrays() if hasattr(cache, "arrays") else spec._arrays(cache)
 
 
 class HostReads:
@@ -119,8 +123,8 @@ def count_graphs(pkg, target, drafter, n=3) -> dict:
     else:                                           # argmax, then compared on the host
         accept = primitives(mx.argmax(v_logits[0], -1))
     target.commit(session.cache, 1)
-    rollback = primitives(*spec._arrays(session.cache))
-    mx.eval(spec._arrays(session.cache))
+    rollback = primitives(*cache_arrays(spec, session.cache))
+    mx.eval(cache_arrays(spec, session.cache))
     session.feed([9], v_taps[:1])
     evaluate, mx.eval = mx.eval, lambda *a: None    # the earlier version evaluated inside
     session.flush()
@@ -172,7 +176,7 @@ class RoundProfile:
             mx.eval(lg, tp)
             t2 = time.perf_counter()
             t.commit(session.cache, 2)
-            mx.eval(spec._arrays(session.cache))
+            mx.eval(cache_arrays(spec, session.cache))
             self.parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     def report(self) -> dict:

@@ -5,10 +5,11 @@ in place of wall times, so the load on the machine cannot change the outcome).""
 import mlx.core as mx
 import numpy as np
 
-from loop_helpers import FixedCosts, random_drafter, serial_greedy, tiny_target
+from loop_helpers import FixedCosts, serial_greedy
 from mlx_dspark import controller as C
+from mlx_dspark.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Session, Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 
 def simulate(steps, alpha, t_serial=1.0, t_round=1.5, n=3, seed=0):

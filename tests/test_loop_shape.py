@@ -7,10 +7,9 @@ to the host."""
 import mlx.core as mx
 import pytest
 
-from loop_helpers import random_drafter, tiny_target
 from mlx_dspark import speculative
 from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 V = 97

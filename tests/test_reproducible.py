@@ -10,11 +10,11 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
-from loop_helpers import random_drafter, tiny_target
 from mlx_dspark.controller import Controller
+from mlx_dspark.oracle_drafter import OracleDrafter
 from mlx_dspark.sampling import log_warp
 from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 V = 97
 R = partial(Sampler, scheme="reproducible")
