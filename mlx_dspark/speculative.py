@@ -136,7 +136,10 @@ class Stats:
 
     ``accepted`` counts accepted drafts only; ``mean_accepted_per_round`` is accepted drafts
     per round (bonus excluded) and ``mean_tokens_per_round`` the tokens each round emitted
-    (bonus included, = mean_accepted + 1 before any stop)."""
+    (bonus included, = mean_accepted + 1 before any stop). A round is one lazy graph read
+    once: ``t_draft`` is the drafter's catch-up and building the drafts' graph, ``t_verify``
+    building the verify and waiting for the read (the drafter's and the target's compute),
+    ``t_rollback`` queuing the commit."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
