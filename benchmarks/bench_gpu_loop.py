@@ -108,8 +108,7 @@ def count_graphs(pkg, target, drafter, n=3) -> dict:
     mx.eval(logits, taps)
     session.feed([7], taps)
     session.flush()
-    state = getattr(drafter, "state", None) or [x for kv in drafter._cache for x in kv]
-    mx.eval(state)
+    mx.eval(drafter._cache)
     drafts, _ = drafter.propose(9, n)
     propose = primitives(drafts)
     mx.eval(drafts)

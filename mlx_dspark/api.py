@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .integrity import check_level
 from .speculative import Sampler, Session, Stats, decode
 from .tokenizer import encode, load_tokenizer
 
@@ -56,12 +57,15 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None) -> Pair:
+def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     """Load a converted target (and drafter) from local directories.
 
     ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
     then ``drafter=None`` means the demo drafter. With an explicit ``model``, ``drafter=None``
-    means no drafter (serial decoding)."""
+    means no drafter (serial decoding). ``verify``: how much of both checkpoints is checked
+    against their conversion receipts before loading: ``"auto"`` (default: every byte of a
+    small checkpoint, sizes and sampled blocks of a large one), ``"full"``, ``"fast"``, or
+    ``"none"`` for directories without a receipt (docs/integrity.md)."""
     from .drafter import load_drafter
     from .target import load_target
 
@@ -73,10 +77,12 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
         raise FileNotFoundError(f"{model}: no such model directory")
     if drafter is not None and not Path(drafter).is_dir():
         raise FileNotFoundError(f"{drafter}: no such drafter directory")
-    target = load_target(model, dtype=dtype)
+    check_level(verify)
+    target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
-                drafter=load_drafter(drafter, target) if drafter is not None else None,
-                tokenizer=load_tokenizer(model))
+                drafter=(load_drafter(drafter, target, verify=verify)
+                         if drafter is not None else None),
+                tokenizer=load_tokenizer(model, target.config.vocab_size))
 
 
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,

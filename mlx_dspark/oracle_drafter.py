@@ -37,9 +37,8 @@ class OracleDrafter:
     def target_layer_ids(self):
         return self._ids
 
-    @property
     def state(self):
-        return self.inner.state if self.inner is not None else []
+        return self.length, self.inner.state() if self.inner is not None else None
 
     def reset(self):
         self.length = 0
