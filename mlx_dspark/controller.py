@@ -21,13 +21,16 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
 * While serial: after ``probe_every`` serial steps run one speculative round (a probe). If the
   prediction then exceeds ``ON`` switch back on; otherwise double ``probe_every`` (up to
   ``PROBE_MAX``), and never probe so often that probes would cost more than
-  ``PROBE_BUDGET`` of serial time (a probe loses ``round_cost - E`` serial steps), so a
+  ``PROBE_BUDGET`` of serial time (a probe loses ``round_cost - E`` serial steps, plus the
+  drafter's catch-up on every token since the last round, which only a round needs), so a
   useless drafter costs a vanishing share of serial time. Switching on resets the interval
   to ``PROBE_MIN``, and so does a probe that lands between the thresholds (promising, but
   not yet convincing).
 * A round emits at most ``N + 1`` tokens, so when ``(N + 1) / r < OFF`` no content can make
   speculation pay on this machine: probes then come only every ``PROBE_MAX`` steps, to notice
   a change of cost (load, context length).
+* When the catch-up alone (a share of each serial step: the drafter's context update per
+  token) already costs ``PROBE_BUDGET``, probes also come only every ``PROBE_MAX`` steps.
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
@@ -72,6 +75,7 @@ class Controller:
     probe_every: int = PROBE_MIN
     serial_times: list[float] = field(default_factory=list)
     round_ratios: list[float] = field(default_factory=list)
+    catchup_ratios: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
@@ -102,6 +106,11 @@ class Controller:
         """A round's cost in serial steps."""
         return _median(self.round_ratios)
 
+    @property
+    def catchup_cost(self) -> float:
+        """The drafter's catch-up per token, in serial steps (0 until measured)."""
+        return _median(self.catchup_ratios) or 0.0
+
     def predicted_speedup(self) -> float | None:
         if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
             return None
@@ -128,6 +137,13 @@ class Controller:
             self._since = 0                            # that was a refresh
         else:
             self._since += 1
+
+    def observe_catchup(self, seconds: float, tokens: int):
+        """Before a round the drafter caught up on ``tokens`` tokens it had not seen (the
+        prompt, serial steps) in ``seconds``: work that every serial step adds once a round
+        follows it, which is what makes a probe after a long serial stretch expensive."""
+        if tokens > 0 and self.t_serial:
+            _push(self.catchup_ratios, seconds / tokens / self.t_serial)
 
     def observe_round(self, seconds: float, num_drafted: int, num_tested: int,
                       num_accepted: int):
@@ -173,13 +189,15 @@ class Controller:
     def _affordable(self, steps: int) -> int:
         """A probe interval of at least ``steps`` whose probes cost at most PROBE_BUDGET of
         serial time: a probe costs ``round_cost`` steps and emits ``E`` tokens, so it loses
-        ``round_cost - E`` steps. When even perfect acceptance could not reach ``OFF``, a
+        ``round_cost - E`` steps, and the drafter's catch-up costs ``catchup_cost`` per
+        serial step in between. When even perfect acceptance could not reach ``OFF``, a
         probe can only re-measure the cost (which moves with the load and the context), so
-        probe as rarely as allowed."""
-        if self.ceiling() < OFF:
+        probe as rarely as allowed; likewise when the catch-up alone exceeds the budget."""
+        budget = PROBE_BUDGET - self.catchup_cost
+        if self.ceiling() < OFF or budget <= 0:
             return PROBE_MAX
         loss = self.round_cost - self.expected_tokens()
-        return int(min(PROBE_MAX, max(steps, loss / PROBE_BUDGET)))
+        return int(min(PROBE_MAX, max(steps, loss / budget)))
 
     def _age(self, tokens: int):
         f = DECAY ** tokens

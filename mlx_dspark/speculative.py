@@ -488,11 +488,14 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
 
     Drafts, verify and acceptance are built as one lazy graph and read back once."""
     t_start = time.perf_counter()
-    if session.flush() > n + 1:
+    caught_up = session.flush()
+    if caught_up > n + 1:
         # A catch-up (the prompt, serial steps) is work per token, not per round: computed
         # before the round's clock starts, so the controller prices rounds without it.
         mx.eval(session.drafter.state())
     t0 = time.perf_counter()
+    if caught_up > n + 1:
+        control.observe_catchup(t0 - t_start, caught_up)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])

@@ -33,5 +33,8 @@ class FixedCosts(Controller):
     def observe_serial(self, seconds: float):
         super().observe_serial(1.0)
 
+    def observe_catchup(self, seconds, tokens):
+        super().observe_catchup(0.0, tokens)
+
     def observe_round(self, seconds, num_drafted, num_tested, num_accepted):
         super().observe_round(self.cost, num_drafted, num_tested, num_accepted)

@@ -136,3 +136,16 @@ def test_when_even_perfect_rounds_cannot_pay_probes_come_only_every_probe_max_st
     # the same perfect drafter at an affordable round cost keeps speculating
     c2, _ = simulate(3000, lambda i: 1.0, t_round=3.0)
     assert c2.ceiling() > C.OFF and c2.speculating
+
+
+def test_a_drafter_catch_up_dearer_than_the_probe_budget_spaces_probes_to_probe_max():
+    # A probe after k serial steps also pays the drafter's catch-up on those k tokens: when
+    # that alone costs more than PROBE_BUDGET of each step, no probe interval is affordable.
+    dear, cheap = C.Controller(3), C.Controller(3)
+    for c, per_token in ((dear, 0.05), (cheap, 0.0)):
+        c.observe_serial(1.0)
+        c.observe_catchup(per_token * 10, 10)
+        c.observe_round(2.0, 3, 1, 0)              # an affordable round that accepted nothing
+        assert not c.speculating
+    assert dear.probe_every == C.PROBE_MAX
+    assert C.PROBE_MIN <= cheap.probe_every < C.PROBE_MAX
