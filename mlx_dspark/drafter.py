@@ -38,6 +38,16 @@ from .sampling import gumbel_max
 # Model
 
 
+# On the CPU mx.fast.rms_norm and mx.fast.rope fall back to ~13 and ~30 primitives; compiled,
+# their elementwise parts fuse (bit-identical results). Compiled graphs are cached per shape,
+# so only the shapes that recur are compiled: up to FUSED_ROWS tokens (a block, the context a
+# round adds); a catch-up of arbitrary length runs the plain ops rather than compile anew.
+FUSED_ROWS = 16
+_rms_norm = mx.compile(mx.fast.rms_norm)
+_rope = mx.compile(lambda x, dims, base, offset: mx.fast.rope(
+    x, dims, traditional=False, base=base, scale=1.0, offset=offset))
+
+
 class Norm(nn.Module):
     def __init__(self, weight, eps):
         super().__init__()
@@ -45,7 +55,9 @@ class Norm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        """``x [1, T, ..., D]``."""
+        norm = _rms_norm if x.shape[1] <= FUSED_ROWS else mx.fast.rms_norm
+        return norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -69,6 +81,8 @@ class Attention(nn.Module):
         x = x.transpose(0, 2, 1, 3)
         if norm is None:
             return x
+        if x.shape[2] <= FUSED_ROWS:      # the position as an array: no compile per position
+            return _rope(x, self.head_dim, self.theta, mx.array(pos0, dtype=mx.int32))
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.theta, scale=1.0,
                             offset=pos0)
 
