@@ -30,6 +30,7 @@ from .converter.layout import LAYOUT
 from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
 from .integrity import check_checkpoint
 from .kernels.attention import sink_attention, window_mask
+from .kernels.norm import FUSED_ROWS, rms_norm
 from .quant import Weights
 from .sampling import gumbel_max
 
@@ -38,12 +39,8 @@ from .sampling import gumbel_max
 # Model
 
 
-# On the CPU mx.fast.rms_norm and mx.fast.rope fall back to ~13 and ~30 primitives; compiled,
-# their elementwise parts fuse (bit-identical results). Compiled graphs are cached per shape,
-# so only the shapes that recur are compiled: up to FUSED_ROWS tokens (a block, the context a
-# round adds); a catch-up of arbitrary length runs the plain ops rather than compile anew.
-FUSED_ROWS = 16
-_rms_norm = mx.compile(mx.fast.rms_norm)
+# On the CPU mx.fast.rope falls back to ~30 primitives; compiled (for the shapes that recur,
+# as kernels.norm), its elementwise parts fuse. The position is an array: no compile per position.
 _rope = mx.compile(lambda x, dims, base, offset: mx.fast.rope(
     x, dims, traditional=False, base=base, scale=1.0, offset=offset))
 
@@ -55,9 +52,7 @@ class Norm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        """``x [1, T, ..., D]``."""
-        norm = _rms_norm if x.shape[1] <= FUSED_ROWS else mx.fast.rms_norm
-        return norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,7 +76,7 @@ class Attention(nn.Module):
         x = x.transpose(0, 2, 1, 3)
         if norm is None:
             return x
-        if x.shape[2] <= FUSED_ROWS:      # the position as an array: no compile per position
+        if x.shape[2] <= FUSED_ROWS:
             return _rope(x, self.head_dim, self.theta, mx.array(pos0, dtype=mx.int32))
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.theta, scale=1.0,
                             offset=pos0)
@@ -232,10 +227,13 @@ class Drafter(nn.Module):
                               mx.full((n,), cfg.mask_token_id, dtype=mx.int32)])
         x = self._embed(ids)[None]
         q_pos = mx.arange(self.length, self.length + n + 1)
+        masks = {}       # layers with the same window and context share one mask
         for layer, (ck, cv) in zip(self.layers, self._cache):
-            k_pos = mx.arange(self.length - ck.shape[2], self.length + n + 1)
-            mask = window_mask(q_pos, k_pos, layer.self_attn.window)
-            x = layer(x, self.length, ck, cv, mask)
+            key = (ck.shape[2], layer.self_attn.window)
+            if key not in masks:
+                k_pos = mx.arange(self.length - ck.shape[2], self.length + n + 1)
+                masks[key] = window_mask(q_pos, k_pos, layer.self_attn.window)
+            x = layer(x, self.length, ck, cv, masks[key])
         h = self.norm(x[0, 1:])
         return self._target.lm_head(h).astype(mx.float32)
 

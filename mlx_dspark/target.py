@@ -41,6 +41,7 @@ from .checkpoint import read_weights
 from .converter.layout import decode_float, layer_pattern
 from .integrity import check_checkpoint
 from .kernels import mamba as K
+from .kernels.norm import gated_rms_norm, rms_norm
 from .quant import Weights, make_linear, on_gpu
 
 SERIAL_MAX = 8
@@ -238,10 +239,6 @@ def _arrays(cache):
 # ------------------------------------------------------------------------------- blocks
 
 
-def _rms_norm(x, weight, eps):
-    return mx.fast.rms_norm(x, weight, eps)
-
-
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
@@ -291,11 +288,9 @@ class Mamba2Mixer(nn.Module):
                 cache.record = (conv0, ssm0, xbc, x, dt, B, C)
             cache.conv = padded[:, -k1:] if k1 else conv0
             cache.ssm = ssm
-        # Gated grouped RMSNorm in fp32, weight applied after the cast (as transformers).
-        y = y.reshape(b, t, self.d_inner) * nn.silu(gate.astype(mx.float32))
-        y = y.reshape(b, t, self.g, -1)
-        y = mx.fast.rms_norm(y, None, self.eps).reshape(b, t, self.d_inner)
-        return self.out_proj(self.norm_weight * y.astype(self.norm_weight.dtype))
+        y = gated_rms_norm(y.reshape(b, t, self.d_inner), gate, self.norm_weight, self.g,
+                           self.eps)
+        return self.out_proj(y)
 
 
 class Attention(nn.Module):
@@ -400,7 +395,7 @@ class Block(nn.Module):
         self.mixer = cls(cfg, w, f"{p}.mixer") if cls else MLP(w, f"{p}.mixer")
 
     def __call__(self, x, cache, record):
-        h = _rms_norm(x, self.norm_weight, self.eps)
+        h = rms_norm(x, self.norm_weight, self.eps)
         if self.kind == "M":
             h = self.mixer(h, cache, record)
         elif self.kind == "*":
@@ -450,7 +445,7 @@ class NemotronH(nn.Module):
             x = layer(x, None if cache is None else cache[i], record)
             if i in want:
                 taps[i] = x
-        logits = self.lm_head(_rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
+        logits = self.lm_head(rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
         if cache is not None:
             cache.offset += tokens.shape[1]
         if not tap_layers:
