@@ -146,8 +146,8 @@ def main():
         largest = make_source(src, args.gb)
         src_bytes = sum(p.stat().st_size for p in src.iterdir())
         tiny = root / "tiny"
-        make_tiny = [py, "-c", "import sys; sys.path.insert(0, 'tests');"
-                     "from modelopt_synth import synth_target; synth_target(sys.argv[1])", str(tiny)]
+        make_tiny = [py, "-c", "import sys; from mlx_dspark.synthetic import synth_target;"
+                     "synth_target(sys.argv[1])", str(tiny)]
         subprocess.run(make_tiny, check=True, cwd=Path(__file__).resolve().parents[1])
         _, overhead, _ = run_child(CONVERT, "convert", str(tiny), "-o", str(root / "tiny-out"),
                                    "--no-progress")
