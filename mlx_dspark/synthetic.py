@@ -320,9 +320,12 @@ def synth_drafter(path, *, seed=1, prefix="", edit=None) -> dict:
 #
 # NVIDIA Nemotron 3.5 Lightning 30B-A3B's shapes (DESIGN §5; MoE sizes from the public
 # 30B-A3B config: moe_intermediate_size 1856, shared expert 3712) in the quantization layout
-# of its W4A16_NVFP4 export: NVFP4 routed and shared experts, FP8 Mamba in/out projections
-# (23 layers x 2 = the 46 FP8 modules mere.run counts), BF16 attention, conv1d, embeddings
-# and lm_head, F32 router. At 52 layers and 128 experts this is the real checkpoint's size.
+# of its W4A16_NVFP4 export: NVFP4 routed and shared experts and Mamba projections, FP8 on
+# some Mamba projections, BF16 attention, conv1d, embeddings and lm_head, F32 router. Which
+# Mamba projections are FP8 is not public here (mere.run counts 46 FP8 tensors): by default
+# those of the Mamba layer feeding each attention layer (``fp8_mamba="pre-attention"``;
+# "all" and "none" bracket it). At 52 layers and 128 experts this is the real checkpoint's
+# size (19.1 GB; "all" gives 19.4 GB).
 #
 # Weights are random *bytes* in valid codes, not quantized floats (quantizing 30B floats in
 # NumPy would take hours); the scales are set so every linear keeps activations near unit
@@ -364,21 +367,30 @@ def lightning_config(pattern: str = LIGHTNING_PATTERN, experts: int = 128,
     return cfg
 
 
-def lightning_modules(cfg: dict):
+FP8_MAMBA = ("pre-attention", "all", "none")
+
+
+def lightning_modules(cfg: dict, fp8_mamba: str = "pre-attention"):
     """(prefix, algo, (out, in)) of every linear, and (name, dtype, shape, fill) of the rest.
     ``algo`` is "W4A16_NVFP4", "FP8" or None (BF16)."""
+    if fp8_mamba not in FP8_MAMBA:
+        raise ValueError(f"fp8_mamba {fp8_mamba!r}: expected one of {', '.join(FP8_MAMBA)}")
+    pattern = cfg["hybrid_override_pattern"]
     h, nh, hp = cfg["hidden_size"], cfg["mamba_num_heads"], cfg["mamba_head_dim"]
     d_inner, gn = nh * hp, cfg["n_groups"] * cfg["ssm_state_size"]
     conv_dim = d_inner + 2 * gn
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     inter, shared = cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
     lin, extra = [], []
-    for i, c in enumerate(cfg["hybrid_override_pattern"]):
+    for i, c in enumerate(pattern):
         p = f"backbone.layers.{i}"
         extra.append((f"{p}.norm.weight", "BF16", (h,), "norm"))
         if c == "M":
-            lin += [(f"{p}.mixer.in_proj", "FP8", (2 * d_inner + 2 * gn + nh, h)),
-                    (f"{p}.mixer.out_proj", "FP8", (h, d_inner))]
+            fp8 = fp8_mamba == "all" or (fp8_mamba == "pre-attention"
+                                         and pattern[i + 1:i + 2] == "*")
+            algo = "FP8" if fp8 else "W4A16_NVFP4"
+            lin += [(f"{p}.mixer.in_proj", algo, (2 * d_inner + 2 * gn + nh, h)),
+                    (f"{p}.mixer.out_proj", algo, (h, d_inner))]
             extra += [(f"{p}.mixer.conv1d.weight", "BF16", (conv_dim, 1, cfg["conv_kernel"]),
                        "conv"),
                       (f"{p}.mixer.conv1d.bias", "BF16", (conv_dim,), "small"),
@@ -471,12 +483,12 @@ _NBYTES = {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}
 
 def synth_lightning(path, *, layers: int = 52, experts: int = 128, vocab: int = 131072,
                     pattern: str | None = None, seed: int = 0, shard_bytes: int = 5 << 30,
-                    progress=None) -> int:
+                    fp8_mamba: str = "pre-attention", progress=None) -> int:
     """Write a Lightning-shaped ModelOpt export to ``path``; returns the bytes of weights.
     ``pattern`` defaults to the first ``layers`` blocks of the real pattern."""
     pattern = pattern or LIGHTNING_PATTERN[:layers]
     cfg = lightning_config(pattern, experts, vocab)
-    lin, extra = lightning_modules(cfg)
+    lin, extra = lightning_modules(cfg, fp8_mamba)
     rng = np.random.default_rng(seed)
     # Shapes first (headers need every offset), bytes later (generators run at write time).
     tensors = [t for p, a, s in lin for t in _linear_tensors(rng, p, a, s)]
@@ -539,6 +551,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=131072)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=5.0)
+    ap.add_argument("--fp8-mamba", default="pre-attention", choices=FP8_MAMBA,
+                    help="which Mamba projections are FP8 (the rest NVFP4)")
     a = ap.parse_args(argv)
     if Path(a.out).exists() and any(Path(a.out).iterdir()):
         print(f"{a.out}: exists and is not empty", file=sys.stderr)
@@ -554,7 +568,8 @@ def main(argv=None) -> int:
     try:
         n = synth_lightning(a.out, layers=a.layers, experts=a.experts, vocab=a.vocab,
                             pattern=a.pattern, seed=a.seed,
-                            shard_bytes=int(a.shard_gb * (1 << 30)), progress=progress)
+                            shard_bytes=int(a.shard_gb * (1 << 30)), fp8_mamba=a.fp8_mamba,
+                            progress=progress)
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 2

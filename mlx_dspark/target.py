@@ -369,7 +369,8 @@ class NemotronH(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype = dtype or default_dtype()
-        self.embeddings = w["backbone.embeddings.weight"].astype(dtype)
+        # Kept in its stored dtype: decoding reads one row per token, upcast in embed().
+        self.embeddings = w["backbone.embeddings.weight"]
         self.layers = [Block(c, cfg, w, i, dtype, nvfp4)
                        for i, c in enumerate(cfg.hybrid_override_pattern)]
         self.norm_f = w["backbone.norm_f.weight"].astype(dtype)
@@ -382,7 +383,7 @@ class NemotronH(nn.Module):
 
     # --- pieces the drafter borrows
     def embed(self, tokens):
-        return self.embeddings[tokens]
+        return self.embeddings[tokens].astype(self.dtype)
 
     def lm_head(self, h):
         return self.head(h)
@@ -530,5 +531,16 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
         model = NemotronH(cfg, w, dtype or default_dtype(), nvfp4)
     except KeyError as e:
         raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
-    mx.eval(model.parameters())
+    del w
+    _materialize(model)
     return model
+
+
+def _materialize(model: NemotronH) -> None:
+    """Evaluate the parameters a layer at a time. The model holds the only references to the
+    loaded tensors, so each original (e.g. a BF16 weight upcast to fp32, FP8 bytes decoded)
+    is freed as soon as its converted copy exists: the peak is the loaded model plus about
+    one layer, never two copies of the weights."""
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
