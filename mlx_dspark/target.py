@@ -389,7 +389,7 @@ class NemotronH(nn.Module):
         return self.head(h)
 
     # --- forward passes
-    def _forward(self, tokens, cache, tap_layers, record):
+    def _forward(self, tokens, cache, tap_layers, record, last_only=False):
         if tokens.ndim == 1:
             tokens = tokens[None]
         bad = [i for i in tap_layers or () if not 0 <= i < len(self.layers)]
@@ -402,6 +402,8 @@ class NemotronH(nn.Module):
             x = layer(x, None if cache is None else cache[i], record)
             if i in want:
                 taps[i] = x
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(_rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
         if cache is not None:
             cache.offset += tokens.shape[1]
@@ -417,19 +419,22 @@ class NemotronH(nn.Module):
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
 
-    def step(self, tokens, cache: TargetCache, tap_layers=None):
-        """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``."""
+    def step(self, tokens, cache: TargetCache, tap_layers=None, last_only=False):
+        """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``, or
+        logits ``[1,1,V]`` for the last position alone with ``last_only`` (a prompt: the
+        head then runs on one row, so memory does not grow with the prompt's length)."""
         if cache.pending is not None:
             raise RuntimeError("commit() the last verify before stepping again")
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.shape[1] <= PREFILL_STEP:
-            return self._forward(tokens, cache, tap_layers, False)
+            return self._forward(tokens, cache, tap_layers, False, last_only)
         pieces = []
         for s in range(0, tokens.shape[1], PREFILL_STEP):
-            pieces.append(self._forward(tokens[:, s:s + PREFILL_STEP], cache, tap_layers, False))
+            piece = tokens[:, s:s + PREFILL_STEP]
+            pieces.append(self._forward(piece, cache, tap_layers, False, last_only))
             mx.eval(pieces[-1])                  # free this piece's scores before the next
-        logits = mx.concatenate([p[0] for p in pieces], axis=1)
+        logits = pieces[-1][0] if last_only else mx.concatenate([p[0] for p in pieces], axis=1)
         taps = mx.concatenate([p[1] for p in pieces], axis=-2) if tap_layers else None
         return logits, taps
 
