@@ -57,14 +57,16 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None) -> Pair:
+def load(model=None, drafter=None, dtype=None, memory_check: bool = True) -> Pair:
     """Load a converted target (and drafter) from local directories.
 
     ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
     then ``drafter=None`` means the demo drafter. With an explicit ``model``, ``drafter=None``
-    means no drafter (serial decoding)."""
+    means no drafter (serial decoding). ``memory_check``: first estimate what the pair needs
+    and raise memory.InsufficientMemory (a ValueError) when the device cannot give it."""
     from .drafter import load_drafter
-    from .target import load_target
+    from .memory import check_fits
+    from .target import default_dtype, load_target
 
     if model is None:
         model = DEMO / "target"
@@ -74,6 +76,8 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
         raise FileNotFoundError(f"{model}: no such model directory")
     if drafter is not None and not Path(drafter).is_dir():
         raise FileNotFoundError(f"{drafter}: no such drafter directory")
+    if memory_check:
+        check_fits(model, drafter, dtype or default_dtype())
     target = load_target(model, dtype=dtype)
     return Pair(target=target,
                 drafter=load_drafter(drafter, target) if drafter is not None else None,

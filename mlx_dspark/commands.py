@@ -31,6 +31,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="converted DSpark drafter directory (default: the demo drafter "
                         "without --model, no drafter with --model)")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="load even when the pair looks too large for the device's memory")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -75,7 +77,8 @@ def load_pair(args: argparse.Namespace):
         import mlx.core as mx
         dtype = getattr(mx, args.dtype)
     try:
-        pair = api.load(args.model, args.drafter, dtype=dtype)
+        pair = api.load(args.model, args.drafter, dtype=dtype,
+                        memory_check=not args.no_memory_check)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
     if args.speculative == "on" and pair.drafter is None:
