@@ -289,6 +289,11 @@ class MoE(nn.Module):
     within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
     normalized, times ``routed_scaling_factor``; plus one shared expert."""
 
+    sort_min_tokens = 2
+    """Fewest tokens whose (token, expert) pairs are grouped by expert (one token's experts
+    are all distinct: nothing to share). Sorting permutes rows only, so outputs are equal
+    either way on the CPU (tests/test_moe_grouping.py)."""
+
     def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
         super().__init__()
         self.cfg = cfg
@@ -321,8 +326,9 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, 1, 1, shape[-1])
         idx_f = idx.reshape(-1, idx.shape[-1])
-        # Long inputs: sort the (token, expert) pairs so each expert's rows are contiguous.
-        sort = idx_f.size >= 64
+        # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
+        # and gather_qmm reads a shared expert once (a verify's tokens often share experts).
+        sort = idx_f.shape[0] >= self.sort_min_tokens
         if sort:
             flat = idx_f.flatten()
             order = mx.argsort(flat)

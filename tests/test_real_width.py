@@ -95,3 +95,8 @@ def test_real_width_rollback_equals_a_fresh_run(ours, accepted):
     pairs = list(zip(_state(cache), _state(fresh)))
     pairs.append((ours.step(nxt, cache)[0], ours.step(nxt, fresh)[0]))
     assert all(mx.array_equal(x, y) for x, y in pairs)
+
+
+def test_real_width_grouped_experts_equal_the_plain_path(ours, monkeypatch):
+    from test_moe_grouping import equal_with_and_without_grouping
+    assert equal_with_and_without_grouping(ours, _tokens(8, seed=3), monkeypatch)
