@@ -5,7 +5,7 @@
     python benchmarks/bench_realsize.py OUT load    [--dtype float32|bfloat16]
     python benchmarks/bench_realsize.py OUT prefill [--lengths 16 256 1024 ...]
     python benchmarks/bench_realsize.py OUT decode  [--reps 5]      # step, verify(N+1)/step
-    python benchmarks/bench_realsize.py OUT experts [--tokens 64]   # expert bytes per verify
+    python benchmarks/bench_realsize.py DIR experts [--tokens 2048] # bytes per verify, real text
 
 Each part runs in a fresh child process so that its peak resident memory (``ru_maxrss``) is
 its own. Timings: warm-up first, ``mx.eval`` before reading the clock, medians.
@@ -120,7 +120,56 @@ def part_decode(a):
     return res
 
 
-PARTS = {"load": part_load, "prefill": part_prefill, "decode": part_decode}
+def part_experts(a):
+    """Weight bytes a verify of N+1 tokens reads, against a single step, from real routing:
+    the model runs over real text (Python's own ``inspect`` source), and every window of
+    N+1 consecutive positions stands for a verify whose drafts were right. Ungrouped, each
+    (token, expert) pair reads its expert; grouped, each distinct expert is read once. Every
+    other weight is read once per call; embedding rows are not counted."""
+    import inspect
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from mlx_dspark import target as T
+    from mlx_dspark.tokenizer import load_tokenizer
+
+    model = T.load_target(a.path, dtype=mx.float32)
+    toks = load_tokenizer(a.path).encode(inspect.getsource(inspect))[:a.tokens]
+    routes, real = [], T.MoE.route
+
+    def spy(self, x):
+        idx, w = real(self, x)
+        routes.append(np.array(idx).reshape(-1, idx.shape[-1]))
+        return idx, w
+    T.MoE.route = spy
+    mx.eval(model(mx.array([toks])))
+    T.MoE.route = real
+
+    def nbytes(m):
+        return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+    moes = [layer.mixer for layer in model.layers if layer.kind == "E"]
+    per_expert = [(nbytes(m.up) + nbytes(m.down)) / m.up.weight.shape[0] for m in moes]
+    other = (nbytes(model) - model.embeddings.nbytes
+             - sum(pe * m.up.weight.shape[0] for pe, m in zip(per_expert, moes)))
+    k = model.config.num_experts_per_tok
+    step = other + k * sum(per_expert)
+    out = {"tokens": len(toks), "experts": moes[0].up.weight.shape[0], "top_k": k,
+           "step_bytes": step, "verify_over_step": {}}
+    for n in range(1, 8):
+        t = n + 1
+        unique = [np.mean([len(set(r[s:s + t].ravel())) for s in range(len(r) - t + 1)])
+                  for r in routes]
+        grouped = other + sum(u * pe for u, pe in zip(unique, per_expert))
+        plain = other + t * k * sum(per_expert)
+        out["verify_over_step"][n] = {"grouped": grouped / step, "ungrouped": plain / step,
+                                      "distinct_experts_per_layer": float(np.mean(unique))}
+    return out
+
+
+PARTS = {"load": part_load, "prefill": part_prefill, "decode": part_decode,
+         "experts": part_experts}
 
 
 def main():
@@ -130,6 +179,7 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024, 4096])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=2048, help="experts: text tokens routed")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not a.child:                          # a fresh process per part: its own peak RSS
