@@ -27,7 +27,8 @@ import time
 
 import mlx.core as mx
 
-from mlx_dspark.drafter import Drafter, parse_config
+from mlx_dspark.drafter import Drafter
+from mlx_dspark.drafter_config import parse_config
 from mlx_dspark.target import NemotronH, TargetConfig
 
 PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # DESIGN §5

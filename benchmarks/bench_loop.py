@@ -16,13 +16,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from loop_helpers import random_drafter, tiny_target  # noqa: E402
-from mlx_dspark.bench import compare, format_rows  # noqa: E402
-from oracle_drafter import OracleDrafter  # noqa: E402
+from mlx_dspark.bench import compare, format_rows
+from mlx_dspark.oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 DEMO_SHAPE = dict(pattern="MEM*EM", vocab_size=4096, hidden_size=192, intermediate_size=256,
                   moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,

@@ -4,7 +4,7 @@
     mlx-dspark convert SRC -o OUT
     python benchmarks/bench_realsize.py OUT load    [--dtype float32|bfloat16]
     python benchmarks/bench_realsize.py OUT prefill [--lengths 16 256 1024 ...]
-    python benchmarks/bench_realsize.py OUT decode  [--reps 5]      # step, verify(N+1)/step
+    python benchmarks/bench_realsize.py OUT decode  [--reps 5 --drafts 1 3 7 --no-group]
     python benchmarks/bench_realsize.py DIR experts [--tokens 2048] # bytes per verify, real text
 
 Each part runs in a fresh child process so that its peak resident memory (``ru_maxrss``) is
@@ -59,19 +59,24 @@ def part_prefill(a):
     model, r = _load(a.path, a.dtype)
     out = {"load": r, "lengths": {}}
     for n in a.lengths:
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        cache = model.make_cache()
         toks = mx.random.randint(0, model.config.vocab_size, (1, n), key=mx.random.key(n))
-        t0 = time.perf_counter()
-        logits, _ = model.step(toks, cache, last_only=True)
-        mx.eval(logits)
-        t = time.perf_counter() - t0
-        cache_bytes = sum(x.nbytes for c in cache.layers if c is not None
-                          for x in ((c.conv, c.ssm) if hasattr(c, "ssm") else c.state()))
-        out["lengths"][n] = {"s": t, "peak_extra": mx.get_peak_memory() - base,
-                             "cache_bytes": cache_bytes, "logits_shape": list(logits.shape)}
-        del cache, logits
+        row = {}
+        for last_only in (True, False):
+            mx.eval(toks)
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            cache = model.make_cache()
+            t0 = time.perf_counter()
+            logits, _ = model.step(toks, cache, last_only=last_only)
+            mx.eval(logits)
+            t = time.perf_counter() - t0
+            cache_bytes = sum(x.nbytes for c in cache.layers if c is not None
+                              for x in ((c.conv, c.ssm) if hasattr(c, "ssm") else c.state()))
+            row["last_only" if last_only else "all_rows"] = {
+                "s": t, "peak_extra": mx.get_peak_memory() - base, "cache_bytes": cache_bytes}
+            del cache, logits
+        out["lengths"][n] = row
     out["peak_rss"] = peak_rss()
     return out
 
@@ -89,6 +94,10 @@ def _median_time(fn, reps):
 
 def part_decode(a):
     import mlx.core as mx
+
+    from mlx_dspark.target import MoE
+    if a.no_group:
+        MoE.sort_min_tokens = 1 << 30
     model, r = _load(a.path, a.dtype)
     cache = model.make_cache()
     toks = mx.random.randint(0, model.config.vocab_size, (1, 40), key=mx.random.key(0))
@@ -113,8 +122,8 @@ def part_decode(a):
             return out
         return run
     t1 = _median_time(step, a.reps)
-    res = {"load": r, "step_s": t1, "verify_over_step": {}}
-    for n in range(1, 8):
+    res = {"load": r, "step_s": t1, "grouped": not a.no_group, "verify_over_step": {}}
+    for n in a.drafts:
         res["verify_over_step"][n] = _median_time(verify(n), a.reps) / t1
     res["peak_rss"] = peak_rss()
     return res
@@ -180,6 +189,10 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024, 4096])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048, help="experts: text tokens routed")
+    ap.add_argument("--drafts", type=int, nargs="+", default=list(range(1, 8)),
+                    help="decode: the N of verify(N+1)")
+    ap.add_argument("--no-group", action="store_true",
+                    help="decode: verify without grouping (token, expert) pairs by expert")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not a.child:                          # a fresh process per part: its own peak RSS

@@ -20,12 +20,11 @@ from pathlib import Path
 from .errors import ConversionError
 from .hub import resolve_source
 from .plan import TARGET, build_plan
-from .quant_config import GROUP_SIZE, fill_layer_pattern, load_json, parse_quant_spec
+from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME
+from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import PinCheck, load_pins, receipt
 from .safetensors_io import OutTensor, SourceFiles, sha256_file, write_safetensors
 
-LAYOUT = "mlx-dspark/1"
-RECEIPT_NAME = "MERERUN_CONVERSION.json"
 SHARD_BYTES = 5 << 30                    # fixed, so shard boundaries never depend on the machine
 METADATA = {"format": "mlx"}
 COPIED_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",

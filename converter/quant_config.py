@@ -9,21 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError
+from .layout import GROUP_SIZE, decode_float, layer_pattern  # noqa: F401 (GROUP_SIZE: plan.py)
 
 # ModelOpt algorithm -> the converted layout; everything else is refused because its bytes
 # cannot be carried into MLX verbatim (AWQ/SVDQuant need pre_quant_scale and LoRA terms,
 # per-channel/block FP8 and INT formats have no matching MLX container here).
 ALGO_FORMAT = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
 MIXED = "MIXED_PRECISION"
-GROUP_SIZE = 16
 
 # ModelOpt 0.47 leaves a name-mapping sentinel such as "\u0000backbone.pt_name_sentinel" in
 # module names, sometimes before a trailing "*": drop it up to (not including) the "*".
 _SENTINEL = re.compile(r"\x00[^*]*")
-
-# transformers-5 `layers_block_type` names -> Nemotron-H pattern characters.
-_BLOCK_CHAR = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
-               "full_attention": "*", "mlp": "-"}
 
 
 def strip_sentinel(name: str) -> str:
@@ -37,10 +33,7 @@ def normalize_json(value):
     """Remove sentinels from every string (keys too) and decode {"__float__": "Infinity"}."""
     if isinstance(value, dict):
         if set(value) == {"__float__"}:
-            try:
-                return float(value["__float__"])
-            except (TypeError, ValueError):
-                raise ValueError(f"bad __float__ value {value['__float__']!r}") from None
+            return decode_float(value)
         return {strip_sentinel(k): normalize_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [normalize_json(v) for v in value]
@@ -66,9 +59,9 @@ def fill_layer_pattern(config: dict, path: Path) -> dict:
     pattern = config.get("hybrid_override_pattern")
     if types is not None:
         try:
-            derived = "".join(_BLOCK_CHAR[t] for t in types)
-        except (KeyError, TypeError):
-            raise ConversionError(f"{path}: unknown entry in layers_block_type {types!r}") from None
+            derived = layer_pattern(types)
+        except ValueError as e:
+            raise ConversionError(f"{path}: {e}") from None
         if pattern is not None and pattern != derived:
             raise ConversionError(f"{path}: hybrid_override_pattern {pattern!r} contradicts "
                                   f"layers_block_type ({derived!r})")

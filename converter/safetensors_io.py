@@ -197,8 +197,8 @@ class SourceFiles:
 class OutFile:
     """An output file that hashes every byte it receives.
 
-    Source ranges are copied by the kernel (``os.sendfile``: measured 2-3x faster than
-    ``write`` from user memory on this project's VMs) while a helper thread hashes the same
+    Source ranges are copied by the kernel (``os.sendfile``: faster than ``write`` from user
+    memory, docs/measurements.md) while a helper thread hashes the same
     bytes from a read-only mapping, so the data never passes through Python and copying
     overlaps hashing."""
 

@@ -27,13 +27,12 @@ class Pair:
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
 
-    def session(self) -> Session:
+    def session(self, speculative="auto") -> Session:
         """A reusable decoding state: pass it to successive calls whose prompts extend each
         other (a chat) and only the new tokens are prefilled. One live session per pair:
-        a session owns the drafter's context while it is used."""
-        session = Session(self.target, self.drafter)
-        session.controller = self.controller
-        return session
+        a session owns the drafter's context while it is used. The pair keeps what the
+        session's controller learns."""
+        return Session(self.target, self.drafter, speculative, home=self)
 
 
 @dataclass
@@ -87,15 +86,17 @@ def load(model=None, drafter=None, dtype=None, memory_check: bool = True) -> Pai
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                    session: Session | None = None) -> Iterator[Chunk]:
+                    session: Session | None = None,
+                    chat_template_kwargs: dict | None = None) -> Iterator[Chunk]:
     """Yield one chunk per generated token, then a final chunk (token None).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
-    list of chat messages, or a list of token ids used verbatim. ``stop``: extra stop token
+    list of chat messages, or a list of token ids used verbatim; ``chat_template_kwargs``
+    (such as ``{"enable_thinking": False}``) go to the chat template. ``stop``: extra stop token
     ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
     part of the output; a stop string ends the text just before it (the token that completed it
     is kept in ``tokens``)."""
-    prompt_ids = _prompt_ids(pair, prompt, chat)
+    prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     stop_strings = [s for s in stop if isinstance(s, str)]
     stop_tokens = {s for s in stop if not isinstance(s, str)}
@@ -114,8 +115,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     shown = 0        # characters of the detokenized text already yielded
     text_end = None  # where a stop string cut the text
     if session is None:
-        session = Session(pair.target, pair.drafter if speculative is not False else None)
-        session.controller = pair.controller
+        session = pair.session(speculative)
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
                     sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
@@ -140,7 +140,6 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
         yield Chunk(text[shown:safe], token, stats.as_dict())
         shown = max(shown, safe)
     tokens.close()
-    pair.controller = session.controller
     tail = ""
     if detok is not None and text_end is None:
         detok.finalize()
@@ -163,14 +162,14 @@ def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
     return Result("".join(text), tokens, stats)
 
 
-def _prompt_ids(pair: Pair, prompt, chat: bool) -> list[int]:
+def _prompt_ids(pair: Pair, prompt, chat: bool, options: dict | None) -> list[int]:
     if not prompt:
         raise ValueError("empty prompt: give some text or at least one token id")
     if all(isinstance(t, int) for t in prompt):
         return list(prompt)
     if pair.tokenizer is None:
         raise ValueError("text prompts need a tokenizer; this pair has none")
-    return encode(pair.tokenizer, prompt, chat)
+    return encode(pair.tokenizer, prompt, chat, options)
 
 
 def _find_stop(text: str, stop_strings, start: int) -> int | None:

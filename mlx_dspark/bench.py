@@ -39,17 +39,35 @@ def compare(target, make_drafter, prompts, max_tokens=64, num_draft=3, sampler=S
     refs = [run_once(target, None, p, "serial", max_tokens, num_draft, sampler)[0]
             for p in prompts]
     drafters = [make_drafter(p, p + r) for p, r in zip(prompts, refs)]
-    runs = {m: [] for m in MODES}        # per repeat: list of Stats over prompts
-    for rep in range(warmup + repeats):
+
+    def run(i, mode, seed):
+        return run_once(target, drafters[i], prompts[i], mode, max_tokens, num_draft, sampler,
+                        seed=seed)
+
+    measure(run, len(prompts), warmup)
+    return summarize(measure(run, len(prompts), repeats, first_seed=warmup)[0], num_draft)
+
+
+def measure(run, num_prompts: int, repeats: int, first_seed: int = 0, progress=None):
+    """The measurement loop of ``compare`` and ``mlx-dspark bench``: for each repeat, every
+    prompt in every mode, interleaved. ``run(i, mode, seed) -> (tokens, Stats)`` decodes
+    prompt ``i``; ``progress(rep, i, per_mode)`` (optional) is called after each prompt.
+
+    Returns ``runs`` (mode -> per repeat, the Stats of each prompt; what :func:`summarize`
+    takes) and ``outputs`` (per prompt, mode -> the tokens of the last repeat)."""
+    runs = {m: [] for m in MODES}
+    outputs = [dict() for _ in range(num_prompts)]
+    for rep in range(repeats):
         per_mode = {m: [] for m in MODES}
-        for p, d in zip(prompts, drafters):
+        for i in range(num_prompts):
             for m in MODES:
-                per_mode[m].append(run_once(target, d, p, m, max_tokens, num_draft, sampler,
-                                            seed=rep)[1])
-        if rep >= warmup:
-            for m in MODES:
-                runs[m].append(per_mode[m])
-    return summarize(runs, num_draft)
+                outputs[i][m], stats = run(i, m, first_seed + rep)
+                per_mode[m].append(stats)
+            if progress is not None:
+                progress(rep, i, per_mode)
+        for m in MODES:
+            runs[m].append(per_mode[m])
+    return runs, outputs
 
 
 def _decode_time(s: Stats) -> float:

@@ -16,7 +16,7 @@ import platform
 import sys
 import time
 
-from .commands import CommandError, load_pair
+from .cli_support import CommandError, load_pair
 
 # Short prompts written for this benchmark. Code prompts are completions (the demo pair is a
 # code model); math and chat prompts go through the chat template when the model has one.
@@ -83,7 +83,7 @@ def _domains(spec: str | None) -> list[str]:
 
 def measure(pair, prompts, args) -> dict:
     from . import bench
-    from .chat import encode_chat
+    from .tokenizer import encode_chat
 
     def ids(domain, text):
         if domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False):
@@ -94,32 +94,28 @@ def measure(pair, prompts, args) -> dict:
         # "auto" runs as successive generate() calls on one pair do: each starts from what
         # the pair's controller learned in the calls before it.
         session = pair.session() if mode == "auto" else None
-        out = bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
-                             args.num_draft, seed=seed, session=session)
-        if session is not None:
-            pair.controller = session.controller
-        return out
+        return bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
+                              args.num_draft, seed=seed, session=session)
 
     encoded = [ids(d, t) for d, t in prompts]
     _progress("warming up")
     for mode in bench.MODES:
         once(encoded[0], mode, min(args.max_tokens, 16))
-    runs = {m: [] for m in bench.MODES}    # per repeat: Stats per prompt
-    outputs = [dict() for _ in prompts]    # greedy: every repeat gives the same tokens
-    for rep in range(args.repeats):
-        per_mode = {m: [] for m in bench.MODES}
-        for i, ((domain, text), prompt_ids) in enumerate(zip(prompts, encoded)):
-            for mode in bench.MODES:
-                outputs[i][mode], stats = once(prompt_ids, mode, args.max_tokens, seed=rep)
-                per_mode[mode].append(stats)
-            r = bench.summarize({m: [[per_mode[m][i]]] for m in bench.MODES}, args.num_draft)
-            t = r["tokens_per_s"]
-            _progress(f"[{rep * len(prompts) + i + 1}/{args.repeats * len(prompts)}] "
-                      f"{domain:5} {_short(text):32} serial {t['serial']:6.1f} tok/s, "
-                      f"speculative {t['speculative']:6.1f} ({r['speedup']:.2f}x), "
-                      f"auto {t['auto']:6.1f} ({r['auto_vs_serial']:.2f}x)")
-        for m in bench.MODES:
-            runs[m].append(per_mode[m])
+
+    def progress(rep, i, per_mode):
+        domain, text = prompts[i]
+        r = bench.summarize({m: [[per_mode[m][i]]] for m in bench.MODES}, args.num_draft)
+        t = r["tokens_per_s"]
+        _progress(f"[{rep * len(prompts) + i + 1}/{args.repeats * len(prompts)}] "
+                  f"{domain:5} {_short(text):32} serial {t['serial']:6.1f} tok/s, "
+                  f"speculative {t['speculative']:6.1f} ({r['speedup']:.2f}x), "
+                  f"auto {t['auto']:6.1f} ({r['auto_vs_serial']:.2f}x)")
+
+    def run(i, mode, seed):
+        return once(encoded[i], mode, args.max_tokens, seed=seed)
+
+    # greedy: every repeat gives the same tokens, so the last repeat's outputs stand for all
+    runs, outputs = bench.measure(run, len(prompts), args.repeats, progress=progress)
 
     def summary(which: list[int]) -> dict:
         sub = {m: [[rep[i] for i in which] for rep in runs[m]] for m in bench.MODES}

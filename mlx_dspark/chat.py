@@ -16,8 +16,8 @@ import signal
 import sys
 
 from . import api
-from .commands import format_acceptance, generation_kwargs
-from .speculative import Session
+from .cli_support import SPECULATIVE, format_acceptance, generation_kwargs
+from .tokenizer import _encode, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
@@ -26,29 +26,6 @@ commands:
   /help    this list
   /quit    leave (so do Ctrl-D and /exit)
 Ctrl-C stops the current answer and keeps the conversation."""
-
-
-def template_options(tokenizer, reasoning: str | None) -> dict:
-    """Chat template variables for ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
-    if reasoning is None:
-        return {}
-    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
-        print("note: this model's chat template has no reasoning switch; --reasoning is ignored",
-              file=sys.stderr)
-        return {}
-    return {"enable_thinking": reasoning == "on"}
-
-
-def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:
-    """Ids and text of ``messages`` through the chat template, ready for the reply."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **options)
-    return _encode(tokenizer, text), text
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # templates spell out their own bos; like apply_chat_template, add no special tokens
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class Conversation:
@@ -116,9 +93,7 @@ def status_line(stats: dict) -> str:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        # with speculation off the drafter is never asked, so the session feeds it no taps
-        self.session = pair.session() if args.speculative != "off" else \
-            Session(pair.target, None)
+        self.session = pair.session(SPECULATIVE[args.speculative])
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
                                          args.system)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mlx_dspark import commands
+from mlx_dspark.cli_support import CommandError
 from mlx_dspark.converter.errors import ConversionError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, commands.CommandError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError)
 
 
 @dataclass(frozen=True)

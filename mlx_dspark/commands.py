@@ -10,120 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class CommandError(Exception):
-    """A one-line error for the user; the CLI prints it and exits 1."""
-
-
-DTYPES = ("bfloat16", "float16", "float32")
-SPECULATIVE = {"auto": "auto", "on": True, "off": False}
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared arguments and helpers
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR",
-                   help="converted target directory (default: the embedded demo pair, "
-                        "a small demonstration model, not Nemotron)")
-    p.add_argument("--drafter", metavar="DIR",
-                   help="converted DSpark drafter directory (default: the demo drafter "
-                        "without --model, no drafter with --model)")
-    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
-    p.add_argument("--no-memory-check", action="store_true",
-                   help="load even when the pair looks too large for the device's memory")
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=_positive, default=max_tokens, metavar="N",
-                   help=f"most tokens to generate (default {max_tokens})")
-    p.add_argument("--temp", type=float, default=0.0, metavar="T",
-                   help="sampling temperature; 0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
-    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
-                   help="tokens the drafter proposes per round (default 3)")
-    p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
-                   help="auto: speculate only while it pays (default); on: always; off: never")
-    p.add_argument("--reasoning", choices=("on", "off"),
-                   help="turn the chat template's reasoning on or off, where it has the switch")
-
-
-def _at_least(low: int):
-    """An argparse type: an int no smaller than ``low``."""
-    def parse(s: str) -> int:
-        n = int(s)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, not {n}")
-        return n
-    parse.__name__ = "int"    # argparse names the type in "invalid int value"
-    return parse
-
-
-_positive = _at_least(1)
-
-
-def load_pair(args: argparse.Namespace):
-    """The pair named by --model/--drafter/--dtype, or the embedded demo pair."""
-    from . import api
-
-    if args.model is None and not (api.DEMO / "target").is_dir():
-        raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
-                           f"missing); pass --model DIR [--drafter DIR]")
-    dtype = None
-    if args.dtype:
-        import mlx.core as mx
-        dtype = getattr(mx, args.dtype)
-    try:
-        pair = api.load(args.model, args.drafter, dtype=dtype,
-                        memory_check=not args.no_memory_check)
-    except (OSError, ValueError) as e:   # the loaders name the file and the problem
-        raise CommandError(_one_line(e)) from None
-    if args.speculative == "on" and pair.drafter is None:
-        raise CommandError("--speculative on needs a drafter (--drafter DIR)")
-    most = pair.drafter.config.block_size - 1 if pair.drafter is not None else None
-    if most is not None and args.num_draft > most:
-        raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
-                           f"{most} tokens per round (its block_size is {most + 1})")
-    return pair
-
-
-def require_chat_template(pair, args: argparse.Namespace) -> None:
-    if not getattr(pair.tokenizer, "has_chat_template", False):
-        raise CommandError(f"{args.model or 'the demo model'}: the tokenizer has no chat "
-                           f"template; use `mlx-dspark generate` without --chat for plain "
-                           f"completion")
-
-
-def generation_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
-                speculative=SPECULATIVE[args.speculative])
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def format_acceptance(stats: dict) -> str:
-    return " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
-
-
-def format_stats(stats: dict, requested: str) -> list[str]:
-    """The ``--stats`` summary: one ``name: value`` line each (README "## Commands")."""
-    prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
-    return [
-        f"mode: {stats['mode']} (requested {requested}, {stats['mode_switches']} switches)",
-        f"prompt: {stats['prompt_tokens']} tokens, {prefilled} prefilled, "
-        f"{stats['prompt_tokens_per_s']:.1f} tokens/s",
-        f"generation: {stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s",
-        f"rounds: {stats['rounds']} speculative, {stats['serial_steps']} serial",
-        f"mean accepted per round: {stats['mean_accepted_per_round']:.2f}",
-        f"acceptance by position: {format_acceptance(stats)}",
-        f"finish: {stats['finish_reason']}",
-    ]
+from .cli_support import (CommandError, _at_least, _one_line, _positive, add_model_arguments,
+                          add_sampling_arguments, format_stats, generation_kwargs, load_pair,
+                          require_chat_template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CommandError("--reasoning applies to the chat template: add --chat")
     pair = load_pair(args)
     from . import api
-    from .chat import encode_chat, template_options
+    from .tokenizer import encode_chat, template_options
 
     if args.chat:
         require_chat_template(pair, args)

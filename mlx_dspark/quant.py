@@ -15,10 +15,12 @@ is exact algebra, so nothing is re-rounded into the stored scales.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
-GROUP_SIZE = 16
+from .converter.layout import GROUP_SIZE
 
 
 def fp8_e4m3_to_float(raw: mx.array, dtype=mx.float32) -> mx.array:
@@ -74,9 +76,8 @@ class ScaledLinear(nn.Module):
 
 def FP8Linear(weight_fp8, weight_scale, dtype=mx.bfloat16, bias=None) -> ScaledLinear:
     """Per-tensor FP8: decoded once at load (exact in any float dtype); the per-tensor scale
-    multiplies the output. Decoding per call instead was measured 2.5-11x slower on the CPU
-    (a 10304x2688 in_proj, fp32: 63 vs 693 ms for 1 token, 542 vs 1398 ms for 8), at 2x (bf16)
-    or 4x (fp32) the FP8 weight memory."""
+    multiplies the output. Decoding per call instead is several times slower on the CPU
+    (docs/measurements.md), at 2x (bf16) or 4x (fp32) the FP8 weight memory."""
     return ScaledLinear(fp8_e4m3_to_float(weight_fp8, dtype), weight_scale, bias)
 
 
@@ -88,14 +89,12 @@ def dequantize_nvfp4(weight, scales, dtype=mx.float32) -> mx.array:
 
 NVFP4_POLICY = "quantized"
 """Default compute for NVFP4 linears: ``"quantized"`` (``mx.quantized_matmul`` on the packed
-codes) on every backend. Measured on this project's 2-core Linux machines (8192x2688,
-float32 activations; benchmarks/bench_target.py has the model-level numbers): with MLX's
-stock CPU BLAS the quantized kernel beats a dense matmul over weights decoded at load at
-every block size (1 token: 70 vs 99 ms, 8 tokens: 364 vs 727 ms); with OpenBLAS preloaded it
-still wins for 1 token (30 vs 86 ms) but loses for 4-8 tokens (216-432 vs 110-114 ms), so
-``nvfp4="dequantized"`` pays for verify-heavy (speculative) decoding there, at 4x (fp32) the
-weight memory. bf16 activations make the CPU kernel 5-8x slower: the CPU default dtype is
-float32 (target.default_dtype)."""
+codes) on every backend. With MLX's stock CPU BLAS the quantized kernel beats a dense matmul
+over weights decoded at load at every block size; with OpenBLAS preloaded it still wins for 1
+token but loses for 4-8, so ``nvfp4="dequantized"`` pays for verify-heavy (speculative)
+decoding there, at 4x (fp32) the weight memory. bf16 activations make the CPU kernel several
+times slower: the CPU default dtype is float32 (target.default_dtype). Numbers:
+docs/measurements.md."""
 
 
 def module_format(weights: dict, prefix: str) -> str:
@@ -189,9 +188,9 @@ class DenseExperts(nn.Module):
 
 def make_experts(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
     """The stacked experts stored under ``prefix``. NVFP4 experts always stay packed: on the
-    CPU ``gather_qmm`` in float32 beats ``gather_mm`` over decoded weights (measured: 6 of 32
-    experts of 1856x2688, 1 token: 55 vs 78 ms) and reads 8x fewer bytes, and decoding the
-    128 experts of a real MoE layer would take 5 GB in float32."""
+    CPU ``gather_qmm`` in float32 beats ``gather_mm`` over decoded weights
+    (docs/measurements.md) and reads 8x fewer bytes, and decoding the 128 experts of a real
+    MoE layer would take 5 GB in float32."""
     cdt = expert_compute_dtype(dtype)
     fmt = module_format(weights, prefix)
     if fmt == "nvfp4":
@@ -201,3 +200,34 @@ def make_experts(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
         return DenseExperts(fp8_e4m3_to_float(weights[f"{prefix}.weight"], cdt),
                             weights[f"{prefix}.weight_scale"].astype(mx.float32))
     return DenseExperts(weights[f"{prefix}.weight"].astype(cdt))
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's tensors and how modules are built from them (the compute dtype and the
+    NVFP4 path): what the model constructors take instead of threading all three."""
+
+    tensors: dict
+    dtype: mx.Dtype = mx.float32
+    nvfp4: str | None = None
+
+    def __getitem__(self, name: str) -> mx.array:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, default=None):
+        return self.tensors.get(name, default)
+
+    def cast(self, name: str) -> mx.array:
+        """The tensor ``name`` in the compute dtype."""
+        return self.tensors[name].astype(self.dtype)
+
+    def linear(self, prefix: str, dtype=None) -> nn.Module:
+        """The linear layer under ``prefix`` (:func:`make_linear`), computing in ``dtype``
+        when given, else in the compute dtype."""
+        return make_linear(self.tensors, prefix, dtype or self.dtype, self.nvfp4)
+
+    def experts(self, prefix: str) -> nn.Module:
+        return make_experts(self.tensors, prefix, self.dtype)

@@ -18,12 +18,49 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import mlx.core as mx
 
 from . import sampling
 from .controller import Controller
+
+
+class Cache(Protocol):
+    def arrays(self) -> list[mx.array]:
+        """Every array the cache holds (evaluated after a commit)."""
+
+
+class Target(Protocol):
+    """What the loop calls on a target (target.NemotronH; ARCHITECTURE.md, "The target")."""
+
+    context_limit: int | None     # longest sequence the model takes, if it declares one
+
+    def make_cache(self) -> Cache: ...
+
+    def step(self, tokens: mx.array, cache: Cache, tap_layers=None):
+        """Feed ``tokens [1, T]``; returns ``(logits [1, T, V], taps [T, n*hidden] or None)``."""
+
+    def verify(self, tokens: mx.array, cache: Cache, tap_layers=None):
+        """A step that ``commit`` can cut back to any prefix."""
+
+    def commit(self, cache: Cache, n: int):
+        """Keep the first ``n`` positions of the last verify (exact rollback of the rest)."""
+
+
+class Drafter(Protocol):
+    """What the loop calls on a drafter (drafter.Drafter; DESIGN §3)."""
+
+    target_layer_ids: list[int]   # the target layers whose outputs feed add_context
+    max_draft: int                # most tokens one propose() drafts
+
+    def reset(self): ...
+
+    def add_context(self, taps: mx.array, start_pos: int): ...
+
+    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, key=None):
+        """``(tokens [n], logits [n, V])``: the drafts and the logits each was drawn from."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +147,26 @@ class Session:
     lazily (``pending``): serial steps only queue them, and the queue is flushed in one
     ``add_context`` call before the next proposal, so "auto" pays almost nothing for keeping the
     drafter ready while it decodes serially. A session may be passed to ``decode`` again with a
-    prompt that extends ``tokens`` (a chat's next turn): only the new suffix is prefilled."""
+    prompt that extends ``tokens`` (a chat's next turn): only the new suffix is prefilled.
 
-    def __init__(self, target, drafter=None):
-        self.target, self.drafter = target, drafter
-        self.controller: Controller | None = None   # costs and acceptance, kept across calls
+    With ``speculative=False`` the session holds no drafter: it is never asked, so it is fed
+    no taps. ``home`` keeps the break-even controller (costs, acceptance) across calls: the
+    pair that made the session (api.Pair.session), or the session itself."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None,
+                 speculative: bool | str = "auto", home=None):
+        self.target = target
+        self.drafter = drafter if speculative is not False else None
+        self.home = home if home is not None else _Home()
         self.reset()
+
+    @property
+    def controller(self) -> Controller | None:
+        return self.home.controller
+
+    @controller.setter
+    def controller(self, controller: Controller | None):
+        self.home.controller = controller
 
     def reset(self):
         self.cache = self.target.make_cache()
@@ -143,13 +194,9 @@ class Session:
             self.pending = []
 
 
-def context_limit(target) -> int | None:
-    """Maximum sequence length the target's config declares, if any."""
-    cfg = target.config
-    if not isinstance(cfg, dict):   # a config dataclass keeps unmodelled fields in .extra
-        cfg = {**getattr(cfg, "extra", {}), **vars(cfg)}
-    limit = cfg.get("max_position_embeddings")
-    return int(limit) if limit else None
+@dataclass
+class _Home:
+    controller: Controller | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +265,7 @@ def accept(drafts: list[int], draft_logits: mx.array, target_logits: mx.array,
 def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):
     """Keep the first ``keep`` verified tokens (bonus, d1..d_{keep-1}); drop the rest."""
     session.target.commit(session.cache, keep)
-    mx.eval(_arrays(session.cache))
+    mx.eval(session.cache.arrays())
     session.feed([bonus] + drafts[:keep - 1], taps[:keep])
 
 
@@ -226,7 +273,7 @@ def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep
 # The loop
 
 
-def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Sampler = Sampler(),
+def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_tokens: int, sampler: Sampler = Sampler(),
            num_draft: int = 3, speculative: bool | str = "auto", seed: int | None = None,
            stop_tokens=(), stats: Stats | None = None,
            session: Session | None = None) -> Iterator[int]:
@@ -240,18 +287,22 @@ def decode(target, drafter, prompt: list[int], *, max_tokens: int, sampler: Samp
         raise ValueError(f"speculative must be 'auto', True or False, not {speculative!r}")
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, not {num_draft}")
-    limit = context_limit(target)
+    limit = target.context_limit
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt has {len(prompt)} tokens; the model's context limit is "
                          f"{limit} (max_position_embeddings), leaving no room to generate")
     if speculative is True and drafter is None:
         raise ValueError("speculative=True needs a drafter")
+    if session is None:
+        session = Session(target, drafter, speculative)
+    if speculative is not False and session.drafter is not None \
+            and num_draft > session.drafter.max_draft:
+        raise ValueError(f"num_draft {num_draft}: this drafter proposes at most "
+                         f"{session.drafter.max_draft} tokens per round")
     stats = stats if stats is not None else Stats()
     stats.tested_by_position = [0] * num_draft
     stats.accepted_by_position = [0] * num_draft
     stats.prompt_tokens = len(prompt)
-    if session is None:
-        session = Session(target, drafter if speculative is not False else None)
     tap = session.drafter is not None        # a session with a drafter keeps its context whole
     use_drafter = tap and speculative is not False
     stops = set(stop_tokens)
@@ -314,14 +365,24 @@ def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[
     target_logits, taps = verify(session, bonus, drafts)
     t2 = time.perf_counter()
     a, nxt = accept(drafts, draft_logits, target_logits, sampler, next_key())
-    out = drafts[:a] + [nxt]
-    # A stop token among the accepted drafts ends the run there; like serial decoding, the
-    # stop token is emitted but never fed to the target.
-    stop_at = next((i for i, t in enumerate(out) if t in stops), len(out) - 1)
-    out = out[:stop_at + 1]
+    out = _through_stop(drafts[:a] + [nxt], stops)
     t3 = time.perf_counter()
     commit(session, bonus, drafts, taps, keep=len(out))
     t4 = time.perf_counter()
+    _count_round(stats, control, n, a, (t_start, t0, t1, t2, t3, t4))
+    return out
+
+
+def _through_stop(out: list[int], stops) -> list[int]:
+    """A stop token among the accepted drafts ends the run there; like serial decoding, the
+    stop token is emitted but never fed to the target."""
+    stop_at = next((i for i, t in enumerate(out) if t in stops), len(out) - 1)
+    return out[:stop_at + 1]
+
+
+def _count_round(stats: Stats, control: Controller, n: int, a: int, times):
+    """Stats and controller bookkeeping of one round (``times``: its six clock readings)."""
+    t_start, t0, t1, t2, t3, t4 = times
     stats.rounds += 1
     stats.drafted += n
     stats.accepted += a
@@ -334,17 +395,4 @@ def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[
     stats.t_round += t4 - t_start
     # The catch-up is work per token, not per round: the controller prices rounds without it.
     control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
-    return out
 
-
-def _arrays(cache):
-    """Every array held by a target cache (to evaluate pending rollback work)."""
-    if isinstance(cache, mx.array):
-        return [cache]
-    if isinstance(cache, (list, tuple)):
-        return [x for c in cache for x in _arrays(c)]
-    if isinstance(cache, dict):
-        return [x for c in cache.values() for x in _arrays(c)]
-    if hasattr(cache, "__dict__"):
-        return [x for c in vars(cache).values() for x in _arrays(c)]
-    return []

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checkpoint import check_receipt
+from .converter.layout import decode_float, layer_pattern
 from .kernels import mamba as K
-from .quant import make_experts, make_linear
+from .quant import Weights, make_linear
 
 SERIAL_MAX = 8
 """Longest block whose SSM recurrence runs position by position (covers N+1 <= 8 verify)."""
@@ -48,9 +50,6 @@ PREFILL_STEP = 2048
 """Longest piece a cached step feeds through the model at once (longer prompts go in pieces):
 bounds the attention scores, which MLX's CPU attention materializes (heads x T x L). A
 multiple of Nemotron's Mamba chunk size (128), so the scan's chunking is unchanged."""
-
-_BLOCK_CHARS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*",
-                "attention": "*", "mlp": "-"}
 
 
 @dataclass
@@ -91,10 +90,10 @@ class TargetConfig:
         pattern = d.pop("hybrid_override_pattern", None)
         kinds = d.pop("layers_block_type", None) or d.pop("layer_types", None)
         if pattern is None and kinds is not None:
-            unknown = sorted(set(kinds) - _BLOCK_CHARS.keys())
-            if unknown:
-                raise ValueError(f"{source}: unknown layers_block_type entries {unknown}")
-            pattern = "".join(_BLOCK_CHARS[k] for k in kinds)
+            try:
+                pattern = layer_pattern(kinds)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
         if pattern is None:
             raise ValueError(f"{source}: needs hybrid_override_pattern or layers_block_type")
         pattern = "".join(pattern)
@@ -110,14 +109,8 @@ class TargetConfig:
             raise ValueError(f"{source}: missing {', '.join(missing)}")
         limit = known.get("time_step_limit")
         if limit is not None:
-            known["time_step_limit"] = tuple(_as_float(v) for v in limit)
+            known["time_step_limit"] = tuple(decode_float(v) for v in limit)
         return cls(hybrid_override_pattern=pattern, extra=d, **known)
-
-
-def _as_float(v):
-    if isinstance(v, dict) and "__float__" in v:     # ModelOpt's serialization of inf
-        return float(v["__float__"])
-    return float(v)
 
 
 # ------------------------------------------------------------------------------- caches
@@ -184,6 +177,23 @@ class TargetCache:
     def __getitem__(self, i):
         return self.layers[i]
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the cache holds (to evaluate pending rollback work)."""
+        return _arrays(self)
+
+
+def _arrays(cache):
+    """Every array held by a target cache (to evaluate pending rollback work)."""
+    if isinstance(cache, mx.array):
+        return [cache]
+    if isinstance(cache, (list, tuple)):
+        return [x for c in cache for x in _arrays(c)]
+    if isinstance(cache, dict):
+        return [x for c in cache.values() for x in _arrays(c)]
+    if hasattr(cache, "__dict__"):
+        return [x for c in vars(cache).values() for x in _arrays(c)]
+    return []
+
 
 # ------------------------------------------------------------------------------- blocks
 
@@ -193,7 +203,7 @@ def _rms_norm(x, weight, eps):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+    def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
         self.h, self.hp = cfg.mamba_num_heads, cfg.mamba_head_dim
         self.g, self.n = cfg.n_groups, cfg.ssm_state_size
@@ -202,8 +212,8 @@ class Mamba2Mixer(nn.Module):
         self.eps = cfg.layer_norm_epsilon
         self.limit = cfg.time_step_limit
         self.chunk = cfg.chunk_size
-        self.in_proj = make_linear(w, f"{p}.in_proj", dtype, nvfp4)
-        self.out_proj = make_linear(w, f"{p}.out_proj", dtype, nvfp4)
+        self.in_proj = w.linear(f"{p}.in_proj")
+        self.out_proj = w.linear(f"{p}.out_proj")
         cw = w[f"{p}.conv1d.weight"]
         # HF (C, 1, K); mlx-lm (C, K, 1); converted keeps the source (C, 1, K).
         self.conv_weight = cw.reshape(cw.shape[0], -1).astype(mx.float32)
@@ -212,7 +222,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = w[f"{p}.dt_bias"].astype(mx.float32)
         self.A = -mx.exp(w[f"{p}.A_log"].astype(mx.float32))
         self.D = w[f"{p}.D"].astype(mx.float32)
-        self.norm_weight = w[f"{p}.norm.weight"].astype(dtype)
+        self.norm_weight = w.cast(f"{p}.norm.weight")
 
     def __call__(self, h, cache: MambaCache | None, record: bool):
         b, t, _ = h.shape
@@ -251,13 +261,13 @@ class Mamba2Mixer(nn.Module):
 class Attention(nn.Module):
     """Causal GQA attention without positional encoding."""
 
-    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+    def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.hd ** -0.5
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, make_linear(w, f"{p}.{name}", dtype, nvfp4))
+            setattr(self, name, w.linear(f"{p}.{name}"))
 
     def __call__(self, h, cache: KVCache | None):
         b, t, _ = h.shape
@@ -275,10 +285,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(relu(up x)^2)``: the dense block and the shared expert."""
 
-    def __init__(self, w: dict, p: str, dtype, nvfp4):
+    def __init__(self, w: Weights, p: str):
         super().__init__()
-        self.up_proj = make_linear(w, f"{p}.up_proj", dtype, nvfp4)
-        self.down_proj = make_linear(w, f"{p}.down_proj", dtype, nvfp4)
+        self.up_proj = w.linear(f"{p}.up_proj")
+        self.down_proj = w.linear(f"{p}.down_proj")
 
     def __call__(self, x):
         return self.down_proj(nn.relu2(self.up_proj(x)))
@@ -294,14 +304,14 @@ class MoE(nn.Module):
     are all distinct: nothing to share). Sorting permutes rows only, so outputs are equal
     either way on the CPU (tests/test_moe_grouping.py)."""
 
-    def __init__(self, cfg: TargetConfig, w: dict, p: str, dtype, nvfp4):
+    def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
         self.cfg = cfg
         self.router = w[f"{p}.gate.weight"].astype(mx.float32)
         self.bias = w[f"{p}.gate.e_score_correction_bias"].astype(mx.float32)
-        self.up = make_experts(w, f"{p}.experts.up_proj", dtype)
-        self.down = make_experts(w, f"{p}.experts.down_proj", dtype)
-        self.shared = MLP(w, f"{p}.shared_experts", dtype, nvfp4)
+        self.up = w.experts(f"{p}.experts.up_proj")
+        self.down = w.experts(f"{p}.experts.down_proj")
+        self.shared = MLP(w, f"{p}.shared_experts")
 
     def route(self, x):
         c = self.cfg
@@ -346,15 +356,14 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, kind: str, cfg: TargetConfig, w: dict, i: int, dtype, nvfp4):
+    def __init__(self, kind: str, cfg: TargetConfig, w: Weights, i: int):
         super().__init__()
         p = f"backbone.layers.{i}"
         self.kind = kind
-        self.norm_weight = w[f"{p}.norm.weight"].astype(dtype)
+        self.norm_weight = w.cast(f"{p}.norm.weight")
         self.eps = cfg.layer_norm_epsilon
         cls = {"M": Mamba2Mixer, "*": Attention, "E": MoE}.get(kind)
-        self.mixer = cls(cfg, w, f"{p}.mixer", dtype, nvfp4) if cls else \
-            MLP(w, f"{p}.mixer", dtype, nvfp4)
+        self.mixer = cls(cfg, w, f"{p}.mixer") if cls else MLP(w, f"{p}.mixer")
 
     def __call__(self, x, cache, record):
         h = _rms_norm(x, self.norm_weight, self.eps)
@@ -375,13 +384,13 @@ class NemotronH(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype = dtype or default_dtype()
+        w = Weights(w, dtype, nvfp4)
         # Kept in its stored dtype: decoding reads one row per token, upcast in embed().
         self.embeddings = w["backbone.embeddings.weight"]
-        self.layers = [Block(c, cfg, w, i, dtype, nvfp4)
-                       for i, c in enumerate(cfg.hybrid_override_pattern)]
-        self.norm_f = w["backbone.norm_f.weight"].astype(dtype)
+        self.layers = [Block(c, cfg, w, i) for i, c in enumerate(cfg.hybrid_override_pattern)]
+        self.norm_f = w.cast("backbone.norm_f.weight")
         if "lm_head.weight" in w:
-            self.head = make_linear(w, "lm_head", dtype, nvfp4)
+            self.head = w.linear("lm_head")
         elif cfg.tie_word_embeddings:
             self.head = make_linear({"lm_head.weight": self.embeddings}, "lm_head", dtype)
         else:
@@ -421,6 +430,12 @@ class NemotronH(nn.Module):
     def __call__(self, tokens):
         """Full forward without cache: ``tokens [1, T] -> logits [1, T, V]``."""
         return self._forward(tokens, None, None, False)[0]
+
+    @property
+    def context_limit(self) -> int | None:
+        """Maximum sequence length the config declares (max_position_embeddings), if any."""
+        limit = self.config.extra.get("max_position_embeddings")
+        return int(limit) if limit else None
 
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
@@ -475,9 +490,9 @@ class NemotronH(nn.Module):
 
 def default_dtype():
     """bf16 on Metal. float32 on MLX's CPU backend, where it is the faster choice (measured,
-    benchmarks/bench_target.py and quant.NVFP4_POLICY): the CPU nvfp4 kernels and
-    ``gather_qmm`` are 5-8x slower with bf16 activations, ``gather_mm`` accepts only float32,
-    and only float32 matmuls go through BLAS."""
+    docs/measurements.md): the CPU nvfp4 kernels and ``gather_qmm`` are several times slower
+    with bf16 activations, ``gather_mm`` accepts only float32, and only float32 matmuls go
+    through BLAS."""
     return mx.bfloat16 if mx.metal.is_available() else mx.float32
 
 
@@ -536,6 +551,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
         raise ValueError(f"{cfg_path}: a quantized export not converted to the MLX layout; "
                          "run `mlx-dspark convert` on it first")
     cfg = TargetConfig.from_dict(raw, cfg_path)
+    check_receipt(path)
     w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:

@@ -6,6 +6,7 @@ checkpoint's own ``tokenizer_config.json``."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
@@ -23,13 +24,37 @@ def load_tokenizer(path) -> TokenizerWrapper:
         raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
 
 
-def encode(tokenizer, prompt, chat: bool = False) -> list[int]:
+def encode(tokenizer, prompt, chat: bool = False, options: dict | None = None) -> list[int]:
     """Token ids for a prompt: a string, or a list of chat messages (dicts with role and
     content). ``chat=True`` wraps a string as one user message; chat prompts go through the
-    checkpoint's chat template with the generation prompt appended."""
+    checkpoint's chat template with the generation prompt appended, ``options`` (template
+    variables such as ``enable_thinking``) passed to it."""
     if isinstance(prompt, str) and not chat:
         return list(tokenizer.encode(prompt))
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError("this model's tokenizer has no chat template")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return encode_chat(tokenizer, messages, options or {})[0]
+
+
+def template_options(tokenizer, reasoning: str | None) -> dict:
+    """Chat template variables for ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
+    if reasoning is None:
+        return {}
+    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
+        print("note: this model's chat template has no reasoning switch; --reasoning is ignored",
+              file=sys.stderr)
+        return {}
+    return {"enable_thinking": reasoning == "on"}
+
+
+def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:
+    """Ids and text of ``messages`` through the chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **options)
+    return _encode(tokenizer, text), text
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # templates spell out their own bos; like apply_chat_template, add no special tokens
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,43 +1,11 @@
-"""Tiny real models for the loop, controller and API tests: our Nemotron-H target with random
-weights (built like the target tests build it) and a DSpark drafter with random weights (a
-useless drafter: its acceptance is near 1/vocab)."""
+"""Serial references for the loop, controller and API tests (the tiny random models they run
+on: mlx_dspark.toy)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_dspark import drafter as D
 from mlx_dspark.speculative import decode
-from mlx_dspark.target import NemotronH, TargetConfig
-from target_helpers import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
-
-
-def tiny_target(seed=0, dtype=mx.float32, **over) -> NemotronH:
-    cfg = tiny_config(**over)
-    return NemotronH(TargetConfig.from_dict(cfg),
-                     hf_weights_from_mlx_lm(random_mlx_lm_model(cfg, seed), stacked=True), dtype)
-
-
-def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.Drafter:
-    """NVIDIA's drafter layout at toy size, every weight random (dense float32)."""
-    tc = target.config
-    cfg = D.DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_layers=layers,
-        num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=tc.vocab_size, rms_norm_eps=1e-6,
-        rope_theta=10000.0, windows=(window,) * layers, attention_sinks=True, block_size=8,
-        mask_token_id=tc.vocab_size - 1, target_layer_ids=tuple(tap_layers),
-        target_hidden_size=tc.hidden_size, markov_rank=8,
-        has_embed_tokens=False)
-    mx.random.seed(seed)
-    w = {}
-    for name, shape in D._expected_plain(cfg).items():
-        w[name] = (1.0 + 0.1 * mx.random.normal(shape)) if name.endswith("norm.weight") \
-            else mx.random.normal(shape) * 0.3
-    for prefix, (out, inp) in D._expected_linears(cfg).items():
-        w[prefix + ".weight"] = mx.random.normal((out, inp)) * inp ** -0.5
-    drafter = D.Drafter(cfg, w, target, mx.float32, share_embedding=True)
-    mx.eval(drafter.parameters())
-    return drafter
 
 
 def serial_greedy(target, prompt, max_tokens) -> list[int]:

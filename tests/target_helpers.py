@@ -1,76 +1,13 @@
-"""Tiny random Nemotron-H models for the target tests: the same weights
-for our target and for mlx-lm's ``nemotron_h`` (an independent implementation)."""
+"""Tiny random Nemotron-H models for the target tests: the same weights for our target and for
+mlx-lm's ``nemotron_h`` (an independent implementation; the random models: mlx_dspark.toy)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
 from mlx_dspark.target import NemotronH, TargetConfig
-
-
-def tiny_config(pattern="M*EM-E", **over) -> dict:
-    cfg = dict(
-        model_type="nemotron_h", vocab_size=97, hidden_size=64, intermediate_size=96,
-        max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, attention_bias=False, mamba_num_heads=8, mamba_head_dim=8,
-        mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
-        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
-        hybrid_override_pattern=pattern, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48, n_group=1, n_routed_experts=8,
-        n_shared_experts=1, topk_group=1, num_experts_per_tok=3, norm_topk_prob=True,
-        routed_scaling_factor=2.5, chunk_size=16, time_step_limit=[0.0, float("inf")],
-    )
-    cfg.update(over)
-    return cfg
-
-
-def random_mlx_lm_model(cfg: dict, seed=0):
-    """mlx-lm's model with every parameter drawn at random (its own init leaves the router
-    at zero, which would never exercise routing)."""
-    mx.random.seed(seed)
-    model = mlx_lm_nh.Model(mlx_lm_nh.ModelArgs.from_dict(cfg))
-    new = []
-    for k, v in tree_flatten(model.parameters()):
-        if k.endswith("A_log"):
-            v = mx.log(mx.random.uniform(1.0, 16.0, v.shape))
-        elif k.endswith(("dt_bias", "D")):
-            v = mx.random.normal(v.shape)
-        elif k.endswith("norm.weight") or k.endswith("norm_f.weight"):
-            v = 1.0 + 0.2 * mx.random.normal(v.shape)
-        elif k.endswith("e_score_correction_bias"):
-            v = 0.3 * mx.random.normal(v.shape)
-        elif k.endswith("conv1d.bias"):
-            v = 0.3 * mx.random.normal(v.shape)
-        else:
-            v = mx.random.normal(v.shape) * (v.shape[-1] if v.ndim > 1 else 1) ** -0.5
-            if k.endswith("conv1d.weight"):
-                v = mx.random.normal(v.shape) * 0.5
-        new.append((k, v))
-    model.load_weights(new)
-    mx.eval(model.parameters())
-    return model
-
-
-def hf_weights_from_mlx_lm(model, stacked=False) -> dict:
-    """mlx-lm's parameters under the HF checkpoint names (inverse of its ``sanitize``):
-    conv1d ``(C, 1, K)``, experts per expert (or already stacked, as the converter writes)."""
-    out = {}
-    for k, v in tree_flatten(model.parameters()):
-        if k.endswith("conv1d.weight"):
-            v = v.moveaxis(2, 1)
-        if ".switch_mlp." in k:
-            proj = "up_proj" if ".fc1." in k else "down_proj"
-            base = k.split(".switch_mlp.")[0] + ".experts"
-            if stacked:
-                out[f"{base}.{proj}.weight"] = v
-            else:
-                for e in range(v.shape[0]):
-                    out[f"{base}.{e}.{proj}.weight"] = v[e]
-            continue
-        out[k] = v
-    return out
+from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
 
 
 def twin_models(cfg: dict, seed=0, dtype=mx.float32):

@@ -7,7 +7,7 @@ import pytest
 import mlx_dspark as md
 from cli_pair import make_pair
 from mlx_dspark.speculative import Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.oracle_drafter import OracleDrafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "What is the capital of France?"]
 

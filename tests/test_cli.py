@@ -363,7 +363,8 @@ def test_next_turn_prompt_extends_the_previous_ids_exactly(tokenizer):
 
 
 def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
-    from mlx_dspark.chat import Conversation, template_options
+    from mlx_dspark.chat import Conversation
+    from mlx_dspark.tokenizer import template_options
 
     on, off = template_options(tokenizer, "on"), template_options(tokenizer, "off")
     assert on == {"enable_thinking": True} and off == {"enable_thinking": False}
@@ -375,6 +376,17 @@ def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
         chat_template = "{{ messages }}"
     assert template_options(NoSwitch(), "on") == {}
     assert "no reasoning switch" in capsys.readouterr().err
+
+
+def test_api_and_cli_share_one_chat_encoder_with_template_options(tokenizer):
+    from mlx_dspark.chat import Conversation
+    from mlx_dspark.tokenizer import encode
+
+    off = {"enable_thinking": False}
+    ids = encode(tokenizer, "Hi", chat=True, options=off)      # what stream_generate uses
+    assert tokenizer.decode(ids) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
+    assert ids == Conversation(tokenizer, off).prompt("Hi")
+    assert encode(tokenizer, "Hi", chat=True) == Conversation(tokenizer, {}).prompt("Hi")
 
 
 def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):

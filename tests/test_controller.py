@@ -4,10 +4,11 @@ then "auto" on the real loop with a useless drafter and with the oracle drafter.
 import mlx.core as mx
 import numpy as np
 
-from loop_helpers import random_drafter, serial_greedy, tiny_target
+from loop_helpers import serial_greedy
 from mlx_dspark import controller as C
+from mlx_dspark.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 
 def simulate(steps, alpha, t_serial=1.0, t_round=1.5, n=3, seed=0):

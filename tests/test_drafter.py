@@ -3,20 +3,17 @@ checkpoint (tests/fixtures/drafter/): greedy and sampled proposals, the Markov-c
 logits, contexts shorter and longer than the sliding window (5 keys), sinks far from zero,
 embedding sharing, and O(window) memory."""
 
-import os
 import shutil
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "drafter"))
-import tiny  # noqa: E402
-from reference_drafter import ReferenceDrafter, read_safetensors  # noqa: E402
+import tiny
+from reference_drafter import ReferenceDrafter, read_safetensors
 
-from mlx_dspark.drafter import load_drafter  # noqa: E402
-from mlx_dspark.sampling import warp  # noqa: E402
+from mlx_dspark.drafter import load_drafter
+from mlx_dspark.sampling import warp
 
 # Measured max |z - z_ref| / max |z_ref| over N = 1..7 and contexts 0..20 tokens:
 # fp32 8.1e-7 (packed NVFP4 matmul) and 7.0e-7 (NVFP4 decoded at load); bf16 2.3e-2.

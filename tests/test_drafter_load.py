@@ -6,16 +6,16 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 
 import mlx.core as mx
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "drafter"))
-import tiny  # noqa: E402
+import tiny
 
-import mlx_dspark.drafter as dr  # noqa: E402
-from mlx_dspark.drafter import DrafterError, load_drafter, parse_config, weight_gate  # noqa: E402
+import mlx_dspark.drafter as dr
+from mlx_dspark.checkpoint import weight_gate
+from mlx_dspark.drafter import load_drafter
+from mlx_dspark.drafter_config import DrafterError, parse_config
 
 # The fields of NVIDIA's released config.json (DESIGN §6), tensors aside.
 NVIDIA = {

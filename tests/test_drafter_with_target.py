@@ -2,21 +2,18 @@
 ``step``/``verify``, the target's embedding and lm_head borrowed, rounds committed as the loop
 does; every proposal checked against the float64 reference."""
 
-import os
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "drafter"))
-import tiny  # noqa: E402
-from reference_drafter import ReferenceDrafter, read_safetensors  # noqa: E402
-from target_helpers import (hf_weights_from_mlx_lm, quantize_like_modelopt,  # noqa: E402
-                            random_mlx_lm_model, tiny_config)
+import tiny
+from reference_drafter import ReferenceDrafter, read_safetensors
+from target_helpers import quantize_like_modelopt
 
-from mlx_dspark.drafter import DrafterError, load_drafter  # noqa: E402
-from mlx_dspark.target import NemotronH, TargetConfig  # noqa: E402
+from mlx_dspark.drafter import load_drafter
+from mlx_dspark.drafter_config import DrafterError
+from mlx_dspark.target import NemotronH, TargetConfig
+from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 FP32_TOL = 1e-5  # as in test_drafter.py
 

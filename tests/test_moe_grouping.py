@@ -3,10 +3,11 @@ share an expert read it once); the outputs equal the ungrouped path's to the bit
 
 import mlx.core as mx
 import pytest
-from target_helpers import tiny_config, twin_models
+from target_helpers import twin_models
 
 from mlx_dspark import api
 from mlx_dspark.target import MoE, load_target
+from mlx_dspark.toy import tiny_config
 
 
 def equal_with_and_without_grouping(model, tokens, monkeypatch) -> bool:

@@ -5,9 +5,10 @@ session reuse behave exactly as in serial decoding."""
 import mlx.core as mx
 import pytest
 
-from loop_helpers import random_drafter, serial_greedy, tiny_target, top2_gap
+from loop_helpers import serial_greedy, top2_gap
+from mlx_dspark.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Sampler, Session, Stats, decode
-from oracle_drafter import OracleDrafter
+from mlx_dspark.toy import random_drafter, tiny_target
 
 # A greedy divergence is only legitimate where the target's own top-2 logits are this close:
 # the verify pass (N+1 positions) and a serial step compute the same math in a different
@@ -93,6 +94,18 @@ def test_max_tokens_landing_mid_round_gives_exactly_max_tokens(target, refs):
 def test_empty_prompt_is_a_clear_error(target):
     with pytest.raises(ValueError, match="empty prompt"):
         next(decode(target, None, [], max_tokens=4))
+
+
+def test_num_draft_beyond_the_drafter_block_is_refused_before_any_token(target, refs):
+    drafter = random_drafter(target, seed=3)            # block_size 8: at most 7 drafts
+    assert drafter.max_draft == 7
+    with pytest.raises(ValueError, match="num_draft 8: this drafter proposes at most 7"):
+        next(decode(target, drafter, PROMPTS[1], max_tokens=4, num_draft=8))
+    # with speculation off the drafter is never asked, so any num_draft runs
+    prompt, ref = refs[1]
+    out = list(decode(target, drafter, prompt, max_tokens=LENGTH, num_draft=8,
+                      speculative=False))
+    assert out == ref
 
 
 def test_prompt_beyond_the_context_limit_is_a_clear_error_and_output_stops_at_it():

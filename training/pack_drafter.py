@@ -11,8 +11,6 @@ input, so the exporter gives them one weight_scale_2), `_export_quantized_weight
 """
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -23,9 +21,8 @@ from data import WORK
 from drafter_model import DrafterConfig, DSparkDrafter
 from tokenizer import TOK_DIR
 
-# One packing routine for the fixtures and the demo pair: tests/fixtures/dspark_drafter_export.py.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
-from dspark_drafter_export import pack  # noqa: E402
+# One packing routine for the fixtures and the demo pair (dspark_drafter_export.py).
+from dspark_drafter_export import pack
 
 SRC = WORK / "drafter_torch"
 OUT = WORK / "drafter_nvfp4"

@@ -1,4 +1,5 @@
-"""TEST-ONLY drafter with a chosen acceptance rate (never shipped, never used by the API).
+"""A drafter with a chosen acceptance rate, for the controller tests and the loop benchmark
+(never used by the API).
 
 It knows the target's greedy continuation in advance (``reference``: the prompt followed by
 the serial greedy output of the same target), and at each drafted position proposes the
@@ -7,8 +8,8 @@ position for content that changes), otherwise a different token. Under greedy ve
 the conditional acceptance at every position is therefore ``acceptance`` exactly in
 expectation, which is what the controller tests and the loop benchmark need.
 
-It implements the real drafter's API (``target_layer_ids``, ``reset``, ``add_context``,
-``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
+It implements the real drafter's API (``target_layer_ids``, ``max_draft``, ``reset``,
+``add_context``, ``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
 proposals thrown away, so a round costs what a real drafter's round costs; ``draft_work``
 (optional, a function) is run on every proposal instead: a drafting cost the controller tests
 can choose, which slows down with the machine's load like real drafting does."""
@@ -21,7 +22,7 @@ import numpy as np
 
 class OracleDrafter:
     def __init__(self, reference, vocab_size: int, acceptance=1.0, target_layer_ids=(0,),
-                 inner=None, seed: int = 0, draft_work=None):
+                 inner=None, seed: int = 0, draft_work=None, max_draft: int = 7):
         self.reference = list(reference)
         self.vocab_size = vocab_size
         self.acceptance = acceptance if callable(acceptance) else (lambda pos: acceptance)
@@ -29,6 +30,7 @@ class OracleDrafter:
         self.draft_work = draft_work
         self.rng = np.random.default_rng(seed)   # not reseeded by reset: fresh coins every run
         self._ids = list(inner.target_layer_ids) if inner is not None else list(target_layer_ids)
+        self.max_draft = inner.max_draft if inner is not None else max_draft
         self.reset()
 
     @property
