@@ -299,10 +299,12 @@ class MoE(nn.Module):
     within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
     normalized, times ``routed_scaling_factor``; plus one shared expert."""
 
-    sort_min_tokens = 2
-    """Fewest tokens whose (token, expert) pairs are grouped by expert (one token's experts
-    are all distinct: nothing to share). Sorting permutes rows only, so outputs are equal
-    either way on the CPU (tests/test_moe_grouping.py)."""
+    sort_min_tokens = 2 if mx.metal.is_available() else 11
+    """Fewest tokens whose (token, expert) pairs are grouped by expert. On Metal every
+    multi-token step (a verify) groups, so a shared expert is read once; MLX's CPU
+    ``gather_qmm`` gains nothing from runs and pays for the sort, so the CPU keeps mlx-lm's
+    threshold (64 pairs at top-6; docs/real-size.md). Sorting permutes rows only: outputs
+    are equal either way (tests/test_moe_grouping.py)."""
 
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
@@ -337,7 +339,7 @@ class MoE(nn.Module):
         xf = x.reshape(-1, 1, 1, shape[-1])
         idx_f = idx.reshape(-1, idx.shape[-1])
         # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
-        # and gather_qmm reads a shared expert once (a verify's tokens often share experts).
+        # and gather_qmm can read a shared expert once (a verify's tokens often share them).
         sort = idx_f.shape[0] >= self.sort_min_tokens
         if sort:
             flat = idx_f.flatten()

@@ -32,8 +32,12 @@ def test_grouped_experts_equal_the_plain_path_on_float_experts(monkeypatch):
     assert equal_with_and_without_grouping(model, toks, monkeypatch)
 
 
-def test_grouping_is_used_for_every_multi_token_step(monkeypatch):
+@pytest.mark.parametrize("least, verify_sorted", [(2, True), (11, False)])
+def test_the_threshold_decides_which_steps_group_experts(monkeypatch, least, verify_sorted):
+    """2 (Metal's default): every verify groups; 11 (the CPU's): a 4-token verify does not.
+    A single token never does."""
     from mlx_dspark.quant import DenseExperts
+    monkeypatch.setattr(MoE, "sort_min_tokens", least)
     seen = []
     real = DenseExperts.__call__
 
@@ -43,7 +47,7 @@ def test_grouping_is_used_for_every_multi_token_step(monkeypatch):
     monkeypatch.setattr(DenseExperts, "__call__", spy)
     model = twin_models(tiny_config())[0]                 # two MoE layers, up and down each
     model.verify(mx.array([[1, 2, 3, 4]]), model.make_cache())
-    assert seen == [True] * 4
+    assert seen == [verify_sorted] * 4
     seen.clear()
     model.step(mx.array([[5]]), model.make_cache())
     assert seen == [False] * 4
