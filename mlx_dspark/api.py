@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .integrity import check_level
 from .speculative import Sampler, Session, Stats, decode
 from .tokenizer import encode, load_tokenizer
 
@@ -56,13 +57,18 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None, memory_check: bool = True) -> Pair:
+def load(model=None, drafter=None, dtype=None, verify: str = "auto",
+         memory_check: bool = True) -> Pair:
     """Load a converted target (and drafter) from local directories.
 
     ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
     then ``drafter=None`` means the demo drafter. With an explicit ``model``, ``drafter=None``
-    means no drafter (serial decoding). ``memory_check``: first estimate what the pair needs
-    and raise memory.InsufficientMemory (a ValueError) when the device cannot give it."""
+    means no drafter (serial decoding). ``verify``: how much of both checkpoints is checked
+    against their conversion receipts before loading: ``"auto"`` (default: every byte of a
+    small checkpoint, sizes and sampled blocks of a large one), ``"full"``, ``"fast"``, or
+    ``"none"`` for directories without a receipt (docs/integrity.md). ``memory_check``: first
+    estimate what the pair needs and raise memory.InsufficientMemory (a ValueError) when the
+    device cannot give it (docs/real-size.md)."""
     from .drafter import load_drafter
     from .memory import check_fits
     from .target import default_dtype, load_target
@@ -75,19 +81,22 @@ def load(model=None, drafter=None, dtype=None, memory_check: bool = True) -> Pai
         raise FileNotFoundError(f"{model}: no such model directory")
     if drafter is not None and not Path(drafter).is_dir():
         raise FileNotFoundError(f"{drafter}: no such drafter directory")
+    check_level(verify)
     if memory_check:
         check_fits(model, drafter, dtype or default_dtype())
-    target = load_target(model, dtype=dtype)
+    target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
-                drafter=load_drafter(drafter, target) if drafter is not None else None,
-                tokenizer=load_tokenizer(model))
+                drafter=(load_drafter(drafter, target, verify=verify)
+                         if drafter is not None else None),
+                tokenizer=load_tokenizer(model, target.config.vocab_size))
 
 
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                     session: Session | None = None,
-                    chat_template_kwargs: dict | None = None) -> Iterator[Chunk]:
+                    chat_template_kwargs: dict | None = None,
+                    sampling: str = "rejection") -> Iterator[Chunk]:
     """Yield one chunk per generated token, then a final chunk (token None).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
@@ -95,7 +104,12 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     (such as ``{"enable_thinking": False}``) go to the chat template. ``stop``: extra stop token
     ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
     part of the output; a stop string ends the text just before it (the token that completed it
-    is kept in ``tokens``)."""
+    is kept in ``tokens``).
+
+    ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
+    gives the same tokens whether or not and however the drafter speculates); both sample
+    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both."""
+    sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
     prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     stop_strings = [s for s in stop if isinstance(s, str)]
@@ -117,7 +131,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     if session is None:
         session = pair.session(speculative)
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
-                    sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
+                    sampler=sampler, num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
                     session=session)
     for token in tokens:

@@ -25,12 +25,13 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import _embedding_identical, check_receipt, read_weights, weight_gate
+from .checkpoint import _embedding_identical, read_weights, weight_gate
 from .converter.layout import LAYOUT
 from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
+from .integrity import check_checkpoint
 from .kernels.attention import sink_attention, window_mask
 from .quant import Weights
-from .sampling import draw, warp
+from .sampling import gumbel_max
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +169,16 @@ class Drafter(nn.Module):
         empty = mx.zeros((1, self.config.num_kv_heads, 0, self.config.head_dim), self.dtype)
         self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
 
+    def state(self):
+        """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
+        into them, so the state stays valid while the drafter goes on). ``add_context``
+        leaves the arrays lazy: evaluating the state computes a pending catch-up."""
+        return self.length, tuple(self._cache)
+
+    def set_state(self, state):
+        self.length, cache = state
+        self._cache = list(cache)
+
     def shared_embedding(self) -> mx.array:
         """The target's embedding table, read through ``target.embed`` in chunks."""
         v = self.config.vocab_size
@@ -199,7 +210,6 @@ class Drafter(nn.Module):
             cache.append((k, v))
         self._cache = cache
         self.length = start_pos + taps.shape[0]
-        mx.eval(self._cache)
 
     def block_logits(self, bonus, n: int) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
@@ -216,25 +226,23 @@ class Drafter(nn.Module):
         return self._target.lm_head(h).astype(mx.float32)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, key=None):
+                top_k: int = 0, noise: mx.array | None = None):
         """Draft ``n`` tokens after ``bonus`` (which sits at position ``length``).
 
-        Returns ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits each token
-        was drawn from (warp them with ``sampling.warp`` to get the draft distribution)."""
+        ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
+        noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
+        argmax. Returns lazy ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits
+        each token was drawn from (warp them with ``sampling.warp`` for the distribution)."""
         if not 1 <= n < self.config.block_size:
             raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
                              f"tokens (block_size {self.config.block_size})")
         u = self.block_logits(bonus, n)
-        keys = mx.random.split(key, n) if key is not None else [None] * n
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
         tokens, logits = [], []
         for j in range(n):
             z = u[j:j + 1] + self.markov_head(prev)
-            if temperature == 0:
-                # warp's one-hot argmax, without building a [V, V] identity
-                prev = mx.argmax(z, axis=-1).astype(mx.int32)
-            else:
-                prev = draw(warp(z, temperature, top_p, top_k), key=keys[j]).astype(mx.int32)
+            g = None if noise is None else noise[j:j + 1]
+            prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
             tokens.append(prev)
             logits.append(z)
         return mx.concatenate(tokens), mx.concatenate(logits)
@@ -245,13 +253,14 @@ class Drafter(nn.Module):
 
 
 def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
-                 verbose: bool = False) -> Drafter:
+                 verbose: bool = False, verify: str = "auto") -> Drafter:
     """Load a converted DSpark drafter for ``target`` and pass it through the weight-load gate.
 
     ``dtype`` is the compute dtype (None: the target's ``dtype`` attribute if it has one, else
     float32). ``nvfp4`` picks the NVFP4 compute path as for the target (quant.nvfp4_policy
     when None). The drafter borrows the target's lm_head, and its embedding when the drafter's
-    own copy is bit-identical to it."""
+    own copy is bit-identical to it. ``verify``: how much of the files is checked against the
+    conversion receipt first (integrity.py); a drafter without a receipt needs ``"none"``."""
     cfg_file = os.path.join(path, "config.json")
     try:
         with open(cfg_file) as fh:
@@ -272,7 +281,7 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
     if dtype is None:
         dtype = getattr(target, "dtype", None) or mx.float32
 
-    check_receipt(path)
+    check_checkpoint(path, verify)
     weights, origin = read_weights(path)
     check_tensors(cfg, weights, origin, path, quant.get("modules") or {})
     share = (not cfg.has_embed_tokens
