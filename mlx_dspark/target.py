@@ -341,10 +341,10 @@ class MoE(nn.Module):
 
     sort_min_tokens = 2 if mx.metal.is_available() else 11
     """Fewest tokens whose (token, expert) pairs are grouped by expert. On Metal every
-    multi-token step (a verify) groups, so a shared expert is read once; MLX's CPU
-    ``gather_qmm`` gains nothing from runs and pays for the sort, so the CPU keeps mlx-lm's
-    threshold (64 pairs at top-6; docs/real-size.md). Sorting permutes rows only: outputs
-    are equal either way (tests/test_moe_grouping.py)."""
+    multi-token step (a verify) groups, so a shared expert is read once; on the CPU grouped
+    verifies showed no consistent gain (docs/real-size.md), so it keeps mlx-lm's threshold
+    (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
+    (tests/test_moe_grouping.py)."""
 
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
