@@ -57,7 +57,8 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
+def load(model=None, drafter=None, dtype=None, verify: str = "auto",
+         memory_check: bool = True) -> Pair:
     """Load a converted target (and drafter) from local directories.
 
     ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
@@ -65,9 +66,12 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     means no drafter (serial decoding). ``verify``: how much of both checkpoints is checked
     against their conversion receipts before loading: ``"auto"`` (default: every byte of a
     small checkpoint, sizes and sampled blocks of a large one), ``"full"``, ``"fast"``, or
-    ``"none"`` for directories without a receipt (docs/integrity.md)."""
+    ``"none"`` for directories without a receipt (docs/integrity.md). ``memory_check``: first
+    estimate what the pair needs and raise memory.InsufficientMemory (a ValueError) when the
+    device cannot give it (docs/real-size.md)."""
     from .drafter import load_drafter
-    from .target import load_target
+    from .memory import check_fits
+    from .target import default_dtype, load_target
 
     if model is None:
         model = DEMO / "target"
@@ -78,6 +82,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     if drafter is not None and not Path(drafter).is_dir():
         raise FileNotFoundError(f"{drafter}: no such drafter directory")
     check_level(verify)
+    if memory_check:
+        check_fits(model, drafter, dtype or default_dtype())
     target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
