@@ -1,7 +1,7 @@
 """RMSNorm whose CPU fallback is fused where shapes recur.
 
-On the CPU ``mx.fast.rms_norm`` falls back to ~13 graph primitives; compiled, its elementwise
-parts fuse into a few (with bit-identical results: the same operations on each row). Compiled
+On the CPU ``mx.fast.rms_norm`` falls back to a chain of graph primitives; compiled, its
+elementwise parts fuse (with bit-identical results: the same operations on each row). Compiled
 graphs are cached per shape, so only inputs of up to ``FUSED_ROWS`` positions (a decoding
 step, a verify, a drafter block) take the compiled path; a prompt or a catch-up of arbitrary
 length runs the plain op rather than compile anew."""

@@ -39,8 +39,9 @@ from .sampling import gumbel_max
 # Model
 
 
-# On the CPU mx.fast.rope falls back to ~30 primitives; compiled (for the shapes that recur,
-# as kernels.norm), its elementwise parts fuse. The position is an array: no compile per position.
+# On the CPU mx.fast.rope falls back to a chain of primitives; compiled (for the shapes that
+# recur, as kernels.norm), its elementwise parts fuse. The position is an array, so that a new
+# position does not compile anew.
 _rope = mx.compile(lambda x, dims, base, offset: mx.fast.rope(
     x, dims, traditional=False, base=base, scale=1.0, offset=offset))
 
