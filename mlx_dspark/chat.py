@@ -16,7 +16,7 @@ import signal
 import sys
 
 from . import api
-from .cli_support import SPECULATIVE, format_acceptance, generation_kwargs
+from .cli_support import format_acceptance, generation_kwargs
 from .tokenizer import _encode, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
@@ -93,10 +93,10 @@ def status_line(stats: dict) -> str:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        self.session = pair.session(SPECULATIVE[args.speculative])
+        self.session = pair.session(args.speculative)
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
-                                         args.system)
+                                         args.system_prompt)
         self.turns: list[dict] = []   # final stats of each answer since the last /reset
 
     def run(self) -> int:
@@ -151,6 +151,7 @@ class Chat:
         if self.args.seed is not None:     # a different, reproducible draw every turn
             kwargs["seed"] = self.args.seed + len(self.turns)
         pieces, tokens, stats = [], [], None
+        stop_tokens = set(self.pair.tokenizer.eos_token_ids)
         stream = api.stream_generate(self.pair, ids, session=self.session, **kwargs)
         with CatchInterrupt() as interrupt:
             try:
@@ -158,8 +159,8 @@ class Chat:
                     _write(chunk.text)
                     pieces.append(chunk.text)
                     stats = chunk.stats
-                    if chunk.token is None:
-                        break
+                    if chunk.finish_reason == "stop" and chunk.token in stop_tokens:
+                        break       # the end-of-turn token: the template writes its own
                     tokens.append(chunk.token)
                     # Stop once every token the session has fed is shown: a round may have
                     # committed a few tokens ahead of the stream, and they are already paid for.

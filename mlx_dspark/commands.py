@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from .cli_support import (CommandError, _at_least, _one_line, _positive, add_model_arguments,
-                          add_sampling_arguments, format_stats, generation_kwargs, load_pair,
-                          require_chat_template)
+                          add_sampling_arguments, add_stats_argument, add_system_prompt_argument,
+                          format_stats, generation_kwargs, load_pair, require_chat_template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -26,11 +26,15 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--prompt", "-p", metavar="TEXT",
                    help="the prompt; without it (or with '-') it is read from standard input")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_system_prompt_argument(p)
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--ignore-chat-template", action="store_true",
+                          help="complete the prompt as given; by default it goes through the "
+                               "model's chat template when the tokenizer has one (as mlx-lm)")
+    template.add_argument("--chat", action="store_true",
+                          help="require the chat template (an error when the model has none)")
     add_sampling_arguments(p, max_tokens=256)
-    p.add_argument("--stats", action="store_true",
-                   help="print a summary to standard error: mode, tokens/s, mean accepted per "
-                        "round, acceptance by position")
+    add_stats_argument(p)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -41,15 +45,20 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt:
         raise CommandError("empty prompt")
-    if args.reasoning and not args.chat:
-        raise CommandError("--reasoning applies to the chat template: add --chat")
+    for flag, value in (("--reasoning", args.reasoning), ("--system-prompt", args.system_prompt)):
+        if value and args.ignore_chat_template:
+            raise CommandError(f"{flag} applies to the chat template: drop --ignore-chat-template")
     pair = load_pair(args)
     from . import api
     from .tokenizer import encode_chat, template_options
 
-    if args.chat:
+    templated = getattr(pair.tokenizer, "has_chat_template", False) \
+        and not args.ignore_chat_template
+    if args.chat or (not templated and (args.reasoning or args.system_prompt)):
         require_chat_template(pair, args)
-        prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
+    if templated:
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        prompt = encode_chat(pair.tokenizer, system + [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
     stats = None
     try:
@@ -77,7 +86,7 @@ CHAT_HELP = "chat with the model in the terminal (/help inside lists the command
 def chat_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p, max_tokens=512)
-    p.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    add_system_prompt_argument(p)
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -97,7 +106,7 @@ BENCH_HELP = "serial vs speculative decoding on built-in code, math and chat pro
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--max-tokens", type=_at_least(4), default=64, metavar="N",
+    p.add_argument("-m", "--max-tokens", type=_at_least(4), default=64, metavar="N",
                    help="tokens generated per prompt and mode, at least 4 so that both modes "
                         "have steps to time (default 64)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
