@@ -156,6 +156,7 @@ STATS_LINES = {
     "mean accepted per round": r"([\d.]+)",
     "acceptance by position": r"((?:[\d.]+|-)(?: (?:[\d.]+|-))*)",
     "finish": r"(length|stop)",
+    "peak memory": r"([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB",
 }
 
 
