@@ -24,10 +24,9 @@ def cache_root() -> Path:
 
 
 def is_repo_id(name) -> bool:
-    """A string shaped like ``org/name`` that is not an existing path."""
-    s = str(name)
-    return bool(_REPO_ID.match(s)) and not s.startswith(("./", "../", "~")) \
-        and not Path(s).expanduser().exists()
+    """A str (a Path is always a path) shaped like ``org/name`` that is not an existing path."""
+    return isinstance(name, str) and bool(_REPO_ID.match(name)) \
+        and not name.startswith(("./", "../", "~")) and not Path(name).expanduser().exists()
 
 
 def resolve(name) -> Path:
@@ -36,7 +35,7 @@ def resolve(name) -> Path:
     loaders to report."""
     if not is_repo_id(name):
         return Path(name).expanduser()
-    repo = str(name)
+    repo = name
     revision = pinned_revision(load_pins(), repo)
     out = cache_root() / f"{repo.replace('/', '--')}--{revision or 'main'}"
     if out.exists():

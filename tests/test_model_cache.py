@@ -94,6 +94,8 @@ def test_a_name_that_is_neither_a_directory_nor_a_repo_id_is_one_clear_error(tmp
         md.load(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="no such drafter directory"):
         md.load(None, "./not/there")
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        md.load(Path("not/there"))                  # a Path is never taken for a repo id
 
 
 def hf_offline_cache(root: Path, repo: str, files: Path) -> None:
@@ -121,3 +123,16 @@ def test_model_repo_id_end_to_end_through_huggingface_hub_offline(exports, tmp_p
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "first use" not in second.stderr and second.stdout == first.stdout
+
+
+def test_a_repo_id_the_hub_cannot_give_is_one_line_and_leaves_no_cache_entry(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"),
+               MLX_DSPARK_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([SCRIPT, "generate", "--model", "nobody/nothing", "-p", "Hi"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    first, *rest = p.stderr.splitlines()
+    assert first.startswith("mlx-dspark: first use of nobody/nothing")
+    assert rest == [rest[0]] and rest[0].startswith(
+        "mlx-dspark generate: error: nobody/nothing@main: download failed (")
+    assert not any((tmp_path / "cache").glob("*/*"))
