@@ -159,13 +159,13 @@ def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
     return Result("".join(text), tokens, stats)
 
 
-SPECULATIVE = {"auto": "auto", "on": True, "off": False, True: True, False: False}
+_SPECULATIVE = {"auto": "auto", "on": True, "off": False, True: True, False: False}
 
 
 def _speculative(value):
     """The CLI's words ("on", "off", "auto") and the booleans, as the loop takes them."""
-    if isinstance(value, (str, bool)) and value in SPECULATIVE:
-        return SPECULATIVE[value]
+    if isinstance(value, (str, bool)) and value in _SPECULATIVE:
+        return _SPECULATIVE[value]
     raise ValueError(f"speculative must be 'auto', 'on', 'off', True or False, not {value!r}")
 
 
@@ -188,10 +188,10 @@ def _with_memory(stats: Stats) -> dict:
     activations) and the process's peak resident set, both in GB (10^9 bytes, as mlx-lm)."""
     import mlx.core as mx
     return dict(stats.as_dict(), peak_memory_gb=mx.get_peak_memory() / 1e9,
-                peak_rss_gb=peak_rss_bytes() / 1e9)
+                peak_rss_gb=_peak_rss_bytes() / 1e9)
 
 
-def peak_rss_bytes() -> int:
+def _peak_rss_bytes() -> int:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024     # macOS: bytes; Linux: KiB

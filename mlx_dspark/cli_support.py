@@ -51,9 +51,21 @@ def add_system_prompt_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_stats_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stats", "--verbose", dest="stats", action="store_true",
+    p.add_argument("--stats", action="store_true",
                    help="print a summary to standard error: mode, tokens/s, mean accepted per "
                         "round, acceptance by position, peak memory")
+    p.add_argument("--verbose", dest="stats", nargs="?", const=True, default=False,
+                   type=_boolean, metavar="BOOL",
+                   help="the same as --stats; mlx-lm's spelling (--verbose False: no summary)")
+
+
+def _boolean(s: str) -> bool:
+    """An argparse type: mlx-lm's str2bool words."""
+    if s.lower() in ("true", "t", "yes", "1"):
+        return True
+    if s.lower() in ("false", "f", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, not {s!r}")
 
 
 def _at_least(low: int):

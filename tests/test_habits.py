@@ -102,6 +102,10 @@ def test_stats_report_peak_memory_at_least_the_weights(pair, capsys):
     line = stats_lines(err)["peak memory"]
     assert line.endswith(" GB") and "(MLX), process peak RSS" in line
     assert float(line.split()[0]) >= weights
+    # mlx-lm's --verbose takes a boolean; ours is off by default, so only False silences it
+    verbose = [cli.build_parser().parse_args(["generate", *a]).stats
+               for a in ([], ["--verbose"], ["--verbose", "False"], ["--verbose", "T"])]
+    assert verbose == [False, True, False, True]
 
 
 # ---------------------------------------------------------------------------------------------
