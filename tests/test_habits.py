@@ -163,16 +163,16 @@ def stream(pair, prompt, **kwargs):
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_generate_text_and_tokens_are_the_raw_loops_with_any_kind_of_stop(pair, speculative):
-    full = md.generate(pair, PROMPT, max_tokens=40, speculative=False)
-    k = next(i for i in range(3, 40) if full.tokens[i] not in full.tokens[:i])
+    full = md.generate(pair, PROMPT, max_tokens=24, speculative=False)
+    k = next(i for i in range(3, 24) if full.tokens[i] not in full.tokens[:i])
     cases = [[], [full.tokens[k]], [full.text[len(full.text) // 2:][:4]],
              # a stop string the text only starts: held back while streaming, then delivered
              [full.text[-3:] + "\x01never"]]
     for stop in cases:
-        want = expected(pair, PROMPT, 40, speculative, stop)
-        res = md.generate(pair, PROMPT, max_tokens=40, speculative=speculative, stop=stop)
+        want = expected(pair, PROMPT, 24, speculative, stop)
+        res = md.generate(pair, PROMPT, max_tokens=24, speculative=speculative, stop=stop)
         assert (res.text, res.tokens, res.finish_reason) == want, stop
-        chunks = stream(pair, PROMPT, max_tokens=40, speculative=speculative, stop=stop)
+        chunks = stream(pair, PROMPT, max_tokens=24, speculative=speculative, stop=stop)
         assert "".join(c.text for c in chunks) == res.text
 
 
