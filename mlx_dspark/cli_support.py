@@ -20,9 +20,9 @@ SPECULATIVE = ("auto", "on", "off")       # the API takes the same words
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR|REPO",
                    help="converted target directory, or the Hugging Face repo id of a ModelOpt "
-                        "export (converted on first use into the cache, then reused) "
-                        "(default: the embedded demo pair, a small demonstration model, "
-                        "not Nemotron)")
+                        "export, converted on first use into $MLX_DSPARK_CACHE "
+                        "(~/.cache/mlx-dspark) and reused after (default: the embedded demo "
+                        "pair, a small demonstration model, not Nemotron)")
     p.add_argument("--drafter", metavar="DIR|REPO",
                    help="converted DSpark drafter directory or repo id (default: the demo "
                         "drafter without --model, no drafter with --model)")
