@@ -206,6 +206,8 @@ class Chat:
             f"rounds: {rounds} speculative, {sum(s['serial_steps'] for s in t)} serial, "
             f"mean accepted per round {sum(accepted) / rounds if rounds else 0.0:.2f}",
             f"acceptance by position: {by_pos}",
+            f"peak memory: {t[-1]['peak_memory_gb']:.3f} GB (MLX), process peak RSS "
+            f"{t[-1]['peak_rss_gb']:.3f} GB",
             f"last answer: {status_line(t[-1])}",
         ])
 

@@ -93,6 +93,8 @@ def test_chat_second_turn_prefills_only_the_new_message_and_reset_prefills_all(p
     child.expect(r"prompt tokens: (\d+) prefilled, (\d+) reused")
     assert int(child.match.group(1)) == first["prefilled"] + second["prefilled"]
     assert int(child.match.group(2)) == second["reused"]
+    child.expect(r"peak memory: ([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB")
+    assert float(child.match.group(1)) > 0 and float(child.match.group(2)) > 0
     child.expect(">>> ")
 
     child.sendline("/reset")
