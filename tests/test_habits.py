@@ -41,6 +41,8 @@ def test_dash_m_is_max_tokens(capsys):
     _, err = run_cli(capsys, "generate", "-p", PROMPT, "-m", "5", "--speculative", "off",
                      "--stats")
     assert stats_lines(err)["generation"].startswith("5 tokens,")
+    for command in ("chat", "bench"):
+        assert cli.build_parser().parse_args([command, "-m", "7"]).max_tokens == 7
 
 
 def test_version_prints_the_package_version_which_is_pyprojects(capsys):
