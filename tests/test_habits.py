@@ -201,3 +201,28 @@ def test_a_held_back_tail_comes_with_the_last_tokens_chunk(pair):
     chunks = stream(pair, PROMPT, max_tokens=24, stop=[tail + "\x01never"])
     assert chunks[-1].text.endswith(tail) and chunks[-1].finish_reason == "length"
     assert "".join(c.text for c in chunks) == full.text
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_decode_names_the_finish_reason_just_before_the_last_token(speculative):
+    # what lets stream_generate put the finish reason on the last token's chunk, for each way
+    # a run ends: max_tokens, the context limit, a stop token
+    from mlx_dspark.speculative import Stats
+    from mlx_dspark.toy import random_drafter, tiny_target
+    target = tiny_target(max_position_embeddings=24)
+    drafter = random_drafter(target)
+    prompt = list(range(1, 11))
+
+    def run(**kwargs):
+        stats = Stats()
+        seen = [(t, stats.finish_reason) for t in decode(
+            target, drafter, prompt, speculative=speculative, stats=stats, **kwargs)]
+        return [t for t, _ in seen], [f for _, f in seen]
+
+    tokens, reasons = run(max_tokens=6)
+    assert len(tokens) == 6 and reasons == [None] * 5 + ["length"]
+    tokens, reasons = run(max_tokens=100)               # 24 positions: 10 prompt, 14 generated
+    assert len(tokens) == 14 and reasons == [None] * 13 + ["length"]
+    k = next(i for i in range(2, 14) if tokens[i] not in tokens[:i])
+    stopped, reasons = run(max_tokens=100, stop_tokens={tokens[k]})
+    assert stopped == tokens[:k + 1] and reasons == [None] * k + ["stop"]
