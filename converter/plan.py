@@ -10,14 +10,17 @@ every output byte is a source byte. Routed experts stack along a new leading axi
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 from collections import defaultdict
+from itertools import islice
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConversionError
 from .quant_config import GROUP_SIZE, QuantSpec
-from .safetensors_io import OutTensor, TensorInfo, read_header
+from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
 TARGET, DRAFTER = "target", "drafter"
 DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
@@ -27,6 +30,22 @@ DROPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 _EXTRAS = re.compile(r"(\.pre_quant_scale|lora_[ab]|\.awq_\w+)$|svdquant", re.IGNORECASE)
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
 _EMBEDDINGS = re.compile(r"(^|\.)(embeddings|embed_tokens)$")
+# The E4M3 bytes a block scale may hold: 0x7F and 0xFF are NaN, the sign bit makes it negative.
+# Zero is valid: ModelOpt gives an all-zero block a zero scale.
+_E4M3_OK = bytes(range(0x7F))
+MAX_INDEX_DIGITS = 9               # layer and expert numbers: no real model has 10^9 of either
+# config key -> (tensor name pattern, axis) whose size it must equal, per model kind
+SIZE_CHECKS = {
+    "target": {"vocab_size": (r"backbone\.embeddings\.weight", 0),
+               "hidden_size": (r"backbone\.embeddings\.weight", 1),
+               "moe_intermediate_size": (r"backbone\.layers\.\d+\.mixer\.experts\.\d+\.up_proj"
+                                         r"\.weight", 0)},
+    "drafter": {"vocab_size": (r"embed_tokens\.weight", 0),
+                "hidden_size": (r"embed_tokens\.weight", 1),
+                "intermediate_size": (r"layers\.\d+\.mlp\.up_proj\.weight", 0)},
+}
+_LAYER = {"target": re.compile(r"^backbone\.layers\.(\d+)\."),
+          "drafter": re.compile(r"^layers\.(\d+)\.")}
 
 
 @dataclass
@@ -41,14 +60,10 @@ def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
     """All tensors of a single-file or sharded (index.json) export, validated."""
     index_path = src / "model.safetensors.index.json"
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise ConversionError(f"{index_path}: corrupt index (no weight_map object)") from None
+        weight_map = _weight_map(index_path)
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
+        files = sorted(p.name for p in src.glob("*.safetensors") if not p.name.startswith("."))
         weight_map = None
         if not files:
             raise ConversionError(f"{src}: missing file: no *.safetensors (and no index)")
@@ -74,8 +89,29 @@ def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _weight_map(path: Path) -> dict[str, str]:
+    with open_regular(path) as f:
+        raw = f.read()
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ConversionError(f"{path}: corrupt index ({why})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{path}: corrupt index (no weight_map object)")
+    bad = [v for v in weight_map.values() if not isinstance(v, str)]
+    if bad:
+        raise ConversionError(f"{path}: corrupt index (weight_map value {bad[0]!r} is not a "
+                              f"file name)")
+    return weight_map
+
+
 def detect_kind(config: dict, names, config_path: Path) -> str:
     arch = config.get("architectures") or []
+    if not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise ConversionError(f"{config_path}: architectures must be a list of strings, "
+                              f"got {arch!r}")
     if "Qwen3DSparkModel" in arch or (
             "fc.weight" in names and any(n.startswith("markov_head.") for n in names)):
         return DRAFTER
@@ -91,8 +127,61 @@ def _err(t: TensorInfo, msg: str) -> ConversionError:
 
 
 def _scalar_f32(t: TensorInfo, what: str) -> None:
+    """A float32 scalar scale that is finite and positive (NaN, Inf, 0 or a negative scale
+    would convert fine and generate garbage)."""
     if t.dtype != "F32" or t.numel != 1 or len(t.shape) > 1:
         raise _err(t, f"{what} must be a float32 scalar, got {t.dtype} {list(t.shape)}")
+    with open_regular(t.file) as f:
+        (value,) = struct.unpack("<f", next(read_chunks(f, t.start, 4))[1])
+    if not (math.isfinite(value) and value > 0):
+        raise _err(t, f"{what} is {value}: a scale must be finite and positive")
+
+
+def _block_scales_valid(t: TensorInfo) -> None:
+    with open_regular(t.file) as f:
+        for pos, view in read_chunks(f, t.start, t.nbytes):
+            chunk = bytes(view)
+            if chunk.translate(None, _E4M3_OK):          # C speed; the search is the rare path
+                i = re.search(rb"[^\x00-\x7e]", chunk).start()
+                raise _err(t, f"block scale byte {pos - t.start + i} is 0x{chunk[i]:02X} (NaN "
+                              f"or negative E4M3): a scale must be finite and non-negative")
+
+
+def _index(t: TensorInfo, digits: str, what: str, limit) -> int:
+    """A layer or expert number from a tensor name, checked against the config's count
+    before anything is sized by it."""
+    if len(digits) > MAX_INDEX_DIGITS or (len(digits) > 1 and digits[0] == "0"):
+        raise _err(t, f"{what} index {digits[:12]!r} is not a plain number below 10^9")
+    i = int(digits)
+    if type(limit) is int and i >= limit:
+        raise _err(t, f"{what} index {i} but config.json says there are {limit}")
+    return i
+
+
+def check_config_sizes(config: dict, tensors: dict[str, TensorInfo], kind: str,
+                       config_path: Path) -> None:
+    """The sizes config.json states must be the sizes of the tensors: the runtime allocates
+    from the config, so a contradiction (hidden_size 10^12) is refused here."""
+    for key in [*SIZE_CHECKS[kind], "n_routed_experts", "num_hidden_layers"]:
+        want = config.get(key)
+        if want is not None and (type(want) is not int or want <= 0):
+            raise ConversionError(f"{config_path}: {key} must be a positive integer, "
+                                  f"got {want!r}")
+    for key, (pattern, axis) in SIZE_CHECKS[kind].items():
+        want = config.get(key)
+        if want is None:
+            continue
+        for name, t in tensors.items():
+            if re.fullmatch(pattern, name) and t.shape[axis:axis + 1] != (want,):
+                raise ConversionError(f"{config_path}: {key} {want} contradicts tensor "
+                                      f"{name!r} of shape {list(t.shape)} in {t.file.name}")
+    types = config.get("layers_block_type", config.get("hybrid_override_pattern"))
+    layers = config.get("num_hidden_layers",
+                        len(types) if isinstance(types, (list, str)) else None)
+    for name, t in tensors.items():
+        m = _LAYER[kind].match(name)
+        if m:
+            _index(t, m[1], "layer", layers)
 
 
 def _module_tensors(prefix: str, src: dict[str, TensorInfo]) -> tuple[str, list[tuple]]:
@@ -123,6 +212,7 @@ def _module_tensors(prefix: str, src: dict[str, TensorInfo]) -> tuple[str, list[
                               f"{[out, in_ // GROUP_SIZE]}"
                               + (" (rows padded to 128: swizzled layout refused)" if padded else ""))
         _scalar_f32(scale2, "tensor scale weight_scale_2")
+        _block_scales_valid(scale)
         return "nvfp4", [
             (f"{prefix}.weight", "U32", (out, in_ // 8), w),
             (f"{prefix}.scales", "U8", scale.shape, scale),
@@ -158,6 +248,7 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
     if kind == DRAFTER and tensors and all(n.startswith("model.") for n in tensors):
         # NVIDIA's drafter names have no "model." prefix; some exports wrap the tree in one.
         tensors = {n[6:]: replace(t, name=n[6:]) for n, t in tensors.items()}
+    check_config_sizes(config, tensors, kind, config_path)
 
     for name, t in tensors.items():
         if _EXTRAS.search(name):
@@ -199,35 +290,40 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
         items.append((name, t.dtype, t.shape, t))
 
     if spec.explicit:
-        present = set(modules) | {n.rsplit(".", 1)[0] for n in tensors}
+        # every dotted prefix of every tensor name: one set lookup per listed layer
+        parts = [n.split(".") for n in tensors]
+        present = {".".join(p[:i]) for p in parts for i in range(1, len(p))}
         for layer in spec.layers:
-            if not any(p == layer or p.startswith(layer + ".") for p in present):
+            if layer not in present:
                 raise ConversionError(f"{src / spec.source}: quantized_layers names {layer!r} "
                                       f"but no such module has tensors")
 
-    out = _stack_experts(items) if kind == TARGET else [
+    out = _stack_experts(items, config.get("n_routed_experts")) if kind == TARGET else [
         OutTensor(n, d, tuple(s), (t,)) for n, d, s, t in items]
     out.sort(key=lambda o: o.name)
     return Plan(kind, out, _stack_module_names(modules), dropped)
 
 
-def _stack_experts(items: list[tuple]) -> list[OutTensor]:
-    """``X.experts.{e}.R`` for e = 0..E-1 -> ``X.experts.R`` with a leading E axis."""
+def _stack_experts(items: list[tuple], n_experts) -> list[OutTensor]:
+    """``X.experts.{e}.R`` for e = 0..E-1 -> ``X.experts.R`` with a leading E axis; E must be
+    config.json's ``n_routed_experts`` when it names one."""
     out, groups = [], defaultdict(dict)
     for name, dtype, shape, src in items:
         m = _EXPERT.match(name)
         if m is None:
             out.append(OutTensor(name, dtype, tuple(shape), (src,)))
         else:
-            groups[(m[1], m[3])][int(m[2])] = (dtype, tuple(shape), src)
+            e = _index(src, m[2], "expert", n_experts)
+            groups[(m[1], m[3])][e] = (dtype, tuple(shape), src)
     index_sets = defaultdict(set)
     for (base, rest), members in sorted(groups.items()):
         idx = sorted(members)
-        if idx != list(range(len(idx))):
-            missing = sorted(set(range(idx[-1] + 1)) - set(idx))
+        count = n_experts if type(n_experts) is int else len(idx)
+        if len(idx) != count or idx[-1] != count - 1:      # sorted, distinct: 0..count-1
+            missing = list(islice((e for e in range(count) if e not in members), 5))
             first = members[idx[0]][2]
             raise _err(first, f"experts of {base}.*.{rest} are not numbered 0..E-1 "
-                              f"(missing {missing[:5]})")
+                              f"(missing {missing})")
         index_sets[base].add(len(idx))
         if len(index_sets[base]) > 1:
             raise _err(members[0][2], f"{base}: projections have different expert counts or "

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError
-from .layout import GROUP_SIZE, decode_float, layer_pattern  # noqa: F401 (GROUP_SIZE: plan.py)
+from .layout import (BLOCK_CHARS, GROUP_SIZE, decode_float,  # noqa: F401 (GROUP_SIZE: plan.py)
+                     layer_pattern)
+from .safetensors_io import open_regular
 
 # ModelOpt algorithm -> the converted layout; everything else is refused because its bytes
 # cannot be carried into MLX verbatim (AWQ/SVDQuant need pre_quant_scale and LoRA terms,
@@ -43,12 +45,14 @@ def normalize_json(value):
 
 
 def load_json(path: Path):
-    if not path.is_file():
-        raise ConversionError(f"{path}: missing file")
+    with open_regular(path) as f:
+        raw = f.read()
     try:
-        return normalize_json(json.loads(path.read_text(encoding="utf-8")))
+        return normalize_json(json.loads(raw.decode("utf-8")))
     except (UnicodeDecodeError, ValueError) as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise ConversionError(f"{path}: invalid JSON (nested too deeply)") from None
 
 
 def fill_layer_pattern(config: dict, path: Path) -> dict:
@@ -57,7 +61,13 @@ def fill_layer_pattern(config: dict, path: Path) -> dict:
     config whose two spellings, or whose layer count, disagree)."""
     types = config.get("layers_block_type")
     pattern = config.get("hybrid_override_pattern")
+    if pattern is not None and not (isinstance(pattern, str)
+                                    and set(pattern) <= set(BLOCK_CHARS.values())):
+        raise ConversionError(f"{path}: hybrid_override_pattern must be a string of M, E, * "
+                              f"and -, got {pattern!r}")
     if types is not None:
+        if not isinstance(types, list):
+            raise ConversionError(f"{path}: layers_block_type must be a list, got {types!r}")
         try:
             derived = layer_pattern(types)
         except ValueError as e:
@@ -109,7 +119,7 @@ class QuantSpec:
 
 
 def _check_algo(algo, group_size, where: str) -> str:
-    if algo not in ALGO_FORMAT:
+    if not isinstance(algo, str) or algo not in ALGO_FORMAT:
         raise ConversionError(
             f"{where}: unsupported quant_algo {algo!r} (supported: "
             f"{', '.join(sorted(ALGO_FORMAT))}, {MIXED}); its tensors cannot be copied "
@@ -147,7 +157,10 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
         return QuantSpec(algo=None, source=str(where.name))
     if algo == MIXED:
         layers = {}
-        for name, entry in (q.get("quantized_layers") or {}).items():
+        listed = q.get("quantized_layers") or {}
+        if not isinstance(listed, dict):
+            raise ConversionError(f"{where}: quantized_layers must be an object")
+        for name, entry in listed.items():
             if not isinstance(entry, dict):
                 raise ConversionError(f"{where}: quantized_layers[{name!r}] is not an object")
             layers[name] = _check_algo(entry.get("quant_algo"), entry.get("group_size"),
@@ -157,6 +170,6 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
         return QuantSpec(algo=MIXED, source=where.name, layers=layers)
     _check_algo(algo, q.get("group_size"), str(where))
     exclude = q.get("exclude_modules", q.get("ignore")) or []
-    if not all(isinstance(p, str) for p in exclude):
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
         raise ConversionError(f"{where}: exclude_modules must be a list of strings")
     return QuantSpec(algo=algo, source=where.name, exclude=tuple(exclude))

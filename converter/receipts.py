@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import ConversionError
+from .safetensors_io import open_regular
 
 UNKNOWN = "unknown"
 PINS_FORMAT = "mlx-dspark-pins/1"
@@ -27,16 +28,40 @@ def load_pins(path: Path | None = None) -> dict:
             text = resources.files(__package__).joinpath("pins.json").read_text("utf-8")
             path = Path("pins.json")
         else:
-            text = Path(path).read_text(encoding="utf-8")
+            with open_regular(Path(path)) as f:
+                text = f.read().decode("utf-8")
         pins = json.loads(text)
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: missing file") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise ConversionError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(pins, dict) or pins.get("format") != PINS_FORMAT \
             or not isinstance(pins.get("sources"), dict):
         raise ConversionError(f"{path}: not a pin file (format must be {PINS_FORMAT!r})")
+    for repo, pin in pins["sources"].items():
+        why = _bad_pin(pin)
+        if why:
+            raise ConversionError(f"{path}: pin for {repo!r}: {why}")
     return pins["sources"]
+
+
+def _bad_pin(pin) -> str | None:
+    """Why a pin entry is malformed, or None: checked once here so that checking files
+    against it never meets a wrong type."""
+    if not isinstance(pin, dict):
+        return "not an object"
+    if not isinstance(pin.get("revision", UNKNOWN), str):
+        return "revision must be a string"
+    files = pin.get("files", UNKNOWN)
+    if files == UNKNOWN:
+        return None
+    if not isinstance(files, dict):
+        return f"files must be an object or {UNKNOWN!r}"
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256", UNKNOWN), str)
+                and type(entry.get("size", 0)) is int):
+            return f"files[{name!r}] must be {{\"sha256\": str, \"size\": int}}"
+    return None
 
 
 def pinned_revision(pins: dict, repo_id: str | None) -> str | None:

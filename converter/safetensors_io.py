@@ -3,18 +3,21 @@
 The format: an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 then the tensor data, offsets counted from the end of the header. Reading parses only the
-header; tensor bytes are later copied range by range (kernel copy, hashed from bounded mmap
-windows), so memory never holds a whole tensor. Writing emits tensors in the given order
-with fixed metadata and an 8-byte-aligned header, hashing as it goes.
+header; tensor bytes are later copied range by range through one bounded buffer, so memory
+never holds a whole tensor. Sources are read with ``pread`` and every read's length is
+checked: a file truncated while it is converted is a one-line error, where a memory mapping
+would die of SIGBUS. Writing emits tensors in the given order with fixed metadata and an
+8-byte-aligned header, hashing as it goes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
-import mmap
 import os
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ ITEMSIZE = {
 }
 MAX_HEADER_BYTES = 100 << 20      # the safetensors library's own limit
 CHUNK_BYTES = 64 << 20            # copy window: bounds the converter's resident memory
-SMALL_READ_BYTES = 1 << 20        # below this a plain read beats setting up a mapping
+SMALL_HASH_BYTES = 1 << 20        # below this, hashing in a helper thread costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -49,21 +52,39 @@ class TensorInfo:
 
 
 def _no_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        dup = next(k for k in keys if keys.count(k) > 1)
+    out = dict(pairs)
+    if len(out) != len(pairs):                       # linear: headers can hold 10^5 names
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"duplicate key {dup!r}")
-    return dict(pairs)
+    return out
+
+
+def open_regular(path: Path):
+    """Open ``path`` for reading only if it is a regular file: a FIFO or device in SRC would
+    block or never end, so it is refused by name instead (O_NONBLOCK keeps the open itself
+    from waiting on a FIFO)."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | nonblock))
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: missing file") from None
+    except IsADirectoryError:
+        raise ConversionError(f"{path}: not a regular file (a directory)") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise ConversionError(f"{path}: not a regular file (special files are never read)")
+    return f
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate a safetensors header: every dtype known, every shape consistent
     with its byte range, ranges inside the file, contiguous and non-overlapping."""
     path = Path(path)
-    if not path.is_file():
-        raise ConversionError(f"{path}: missing file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise ConversionError(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -79,6 +100,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
         raise ConversionError(f"{path}: corrupt safetensors header ({e})") from None
+    except RecursionError:
+        raise ConversionError(f"{path}: corrupt safetensors header (nested too deeply)") from None
     if not isinstance(header, dict):
         raise ConversionError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", {})
@@ -150,30 +173,24 @@ def header_bytes(tensors: list[OutTensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def read_chunks(f, start: int, nbytes: int):
+def read_chunks(f, start: int, nbytes: int, buf: memoryview | None = None):
     """Yield ``(offset, memoryview)`` chunks covering bytes ``[start, start + nbytes)`` of the
-    open file ``f``.
+    open file ``f``, read into one reused buffer of at most CHUNK_BYTES (``buf``, else a new
+    one).
 
-    Large ranges come from read-only mmap windows of at most CHUNK_BYTES: hashing straight
-    from the page cache saves a user-space copy, and unmapping each window keeps resident
-    memory bounded. Each view is valid only until the next one is requested."""
-    size = os.fstat(f.fileno()).st_size
-    if start + nbytes > size:
-        raise ConversionError(f"{f.name}: file shrank to {size} bytes while converting")
-    if nbytes < SMALL_READ_BYTES:
-        yield start, memoryview(os.pread(f.fileno(), nbytes, start))
-        return
+    Each view is valid only until the next one is requested. A short read means the file
+    shrank under us: that is a ConversionError, never a partial result."""
+    if buf is None:
+        buf = memoryview(bytearray(min(nbytes, CHUNK_BYTES)))
     pos, end = start, start + nbytes
     while pos < end:
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        length = min(end, base + CHUNK_BYTES) - base
-        with mmap.mmap(f.fileno(), length, offset=base, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)[pos - base:]
-            try:
-                yield pos, view
-            finally:
-                view.release()
-        pos = base + length
+        view = buf[:min(end - pos, len(buf))]
+        got = os.preadv(f.fileno(), [view], pos)
+        if got != len(view):
+            raise ConversionError(f"{f.name}: file shrank while converting (no data at byte "
+                                  f"{pos + got}; was it modified or truncated?)")
+        yield pos, view
+        pos += got
 
 
 class SourceFiles:
@@ -185,7 +202,7 @@ class SourceFiles:
     def open(self, path: Path):
         f = self._files.get(path)
         if f is None:
-            f = self._files[path] = open(path, "rb")
+            f = self._files[path] = open_regular(path)
         return f
 
     def close(self):
@@ -195,46 +212,86 @@ class SourceFiles:
 
 
 class OutFile:
-    """An output file that hashes every byte it receives.
+    """An output file that hashes exactly the bytes it holds.
 
-    Source ranges are copied by the kernel (``os.sendfile``: faster than ``write`` from user
-    memory, docs/measurements.md) while a helper thread hashes the same
-    bytes from a read-only mapping, so the data never passes through Python and copying
-    overlaps hashing."""
+    Large source ranges are copied by the kernel (``os.sendfile``: cheaper than ``write`` from
+    user memory, docs/measurements.md and docs/safety-convert.md) and each chunk is then read
+    back from the output with ``pread`` and hashed by a helper thread while the next chunk is
+    copied. No source byte is ever memory-mapped: a source that shrinks makes ``sendfile``
+    come up short, which is a one-line error. Where the kernel cannot copy file to file
+    (macOS), the chunk goes through the buffer instead."""
 
     def __init__(self, path: Path, hasher: ThreadPoolExecutor):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._sha = hashlib.sha256()
         self._hasher = hasher
+        self._pending = None             # the hash of the last chunk, still running
+        self._buf = None                 # allocated once per file, not per tensor
+        self._kernel_copy = hasattr(os, "sendfile")
         self.size = 0
 
-    def write(self, data) -> None:
-        view = memoryview(data)
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _write(self, view) -> None:
         while view:
             view = view[os.write(self._fd, view):]
+
+    def write(self, data) -> None:
+        self._settle()                   # hash updates stay in file order
+        self._write(memoryview(data))
         self._sha.update(data)
         self.size += len(data)
 
     def copy_range(self, f, start: int, nbytes: int) -> None:
-        for pos, view in read_chunks(f, start, nbytes):
-            if len(view) < SMALL_READ_BYTES:
+        if nbytes < SMALL_HASH_BYTES:
+            for _, view in read_chunks(f, start, nbytes):
                 self.write(view)
-                continue
-            hashed = self._hasher.submit(self._sha.update, view)
+            return
+        if self._buf is None:
+            self._buf = memoryview(bytearray(CHUNK_BYTES))
+        pos, end = start, start + nbytes
+        while pos < end:
+            n = min(end - pos, CHUNK_BYTES)
+            self._copy(f, pos, n)        # overlaps the previous chunk's hash
+            self._settle()               # ... which frees the buffer
+            view = self._buf[:n]
+            if os.preadv(self._fd, [view], self.size) != n:
+                raise ConversionError(f"{self.path}: output shorter than what was written")
+            self._pending = self._hasher.submit(self._sha.update, view)
+            self.size += n
+            pos += n
+
+    def _copy(self, f, pos: int, n: int) -> None:
+        """Append source bytes ``[pos, pos + n)``."""
+        if self._kernel_copy:
             try:
                 done = 0
-                while done < len(view):
-                    sent = os.sendfile(self._fd, f.fileno(), pos + done, len(view) - done)
+                while done < n:
+                    sent = os.sendfile(self._fd, f.fileno(), pos + done, n - done)
                     if sent == 0:
-                        raise ConversionError(f"{f.name}: file shrank while converting")
+                        raise ConversionError(f"{f.name}: file shrank while converting (no data "
+                                              f"at byte {pos + done}; was it modified or "
+                                              f"truncated?)")
                     done += sent
-            finally:
-                hashed.result()          # the window is unmapped after this iteration
-            self.size += len(view)
+                return
+            except OSError as e:
+                if done or e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK,
+                                           errno.EOPNOTSUPP):
+                    raise
+                self._kernel_copy = False
+        self._settle()
+        for _, view in read_chunks(f, pos, n, self._buf):
+            self._write(view)
 
     def close(self) -> tuple[int, str]:
-        os.close(self._fd)
+        try:
+            self._settle()
+        finally:
+            os.close(self._fd)
         return self.size, self._sha.hexdigest()
 
 
@@ -258,7 +315,7 @@ def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, 
 def sha256_file(path: Path, stop=None) -> tuple[int, str]:
     """(size, sha256) of a file; ``stop()`` returning True abandons the work early."""
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         for _, chunk in read_chunks(f, 0, size):
             if stop is not None and stop():

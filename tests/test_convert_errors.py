@@ -209,8 +209,14 @@ def test_existing_output_is_refused_unless_force(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "already exists (pass --force" in err and str(out) in err
     assert (out / "stale.txt").exists()                          # untouched
+    # a file the receipt does not list is not ours to delete, even with --force
+    rc = main(["convert", str(tmp_path / "src"), "-o", str(out), "--force"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "'stale.txt' is not listed in its MERERUN_CONVERSION.json" in err
+    assert (out / "stale.txt").exists()
+    (out / "stale.txt").unlink()
+    (out / "model.safetensors").write_bytes(b"older bytes")     # same files: a conversion
     assert main(["convert", str(tmp_path / "src"), "-o", str(out), "--force"]) == 0
-    assert not (out / "stale.txt").exists()
     assert (out / "model.safetensors").read_bytes() == first
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
