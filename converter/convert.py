@@ -309,8 +309,7 @@ def _write_tensors(tmp: Path, tensors, files, hashing, progress, shard_bytes) ->
 
     try:
         for name, group in zip(names, groups):
-            size, sha = write_safetensors(tmp / name, group, METADATA, files, advance)
-            outputs[name] = {"size": size, "sha256": sha}
+            outputs[name] = write_safetensors(tmp / name, group, METADATA, files, advance)
     finally:
         bar.close()
     if len(groups) > 1:

@@ -5,7 +5,8 @@ MLX-free (the converter and ``mlx-dspark --help`` import it)."""
 
 from __future__ import annotations
 
-import glob
+import fnmatch
+import hashlib
 import json
 import os
 
@@ -17,6 +18,14 @@ GROUP_SIZE = 16
 
 RECEIPT_NAME = "MERERUN_CONVERSION.json"
 """The converter's receipt beside the weights (sha256 and size of every output file)."""
+
+RECEIPT_BLOCK_BYTES = 16 << 20
+"""Weight files are also hashed per block of this many bytes (the receipt's ``blocks``), so a
+load can check a sample of a large file without reading all of it."""
+
+WEIGHT_FILES = "model*.safetensors"
+"""The weight files of a converted directory (matched against file names, never as a path
+pattern: a directory may well be called ``m*``)."""
 
 BLOCK_CHARS = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*",
                "full_attention": "*", "mlp": "-"}
@@ -44,13 +53,40 @@ def decode_float(v) -> float:
 
 
 def weight_files(path: str) -> list[str]:
-    """The converted directory's weight files, in the order they are read."""
-    return sorted(glob.glob(os.path.join(path, "model*.safetensors")))
+    """The directory's ``model*.safetensors`` files, in the order they are read."""
+    return [os.path.join(path, n) for n in sorted(os.listdir(path))
+            if fnmatch.fnmatchcase(n, WEIGHT_FILES)]
+
+
+class BlockHash:
+    """SHA-256 of each ``block_bytes`` block of a stream fed in any pieces (the receipt's
+    ``blocks`` of a weight file; the whole-file hash is a separate pass, run beside it)."""
+
+    def __init__(self, block_bytes: int = RECEIPT_BLOCK_BYTES):
+        self.block_bytes = block_bytes
+        self._block, self._filled = hashlib.sha256(), 0
+        self._done: list[str] = []
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.block_bytes - self._filled)
+            self._block.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.block_bytes:
+                self._done.append(self._block.hexdigest())
+                self._block, self._filled = hashlib.sha256(), 0
+
+    def blocks(self) -> dict:
+        """The receipt's ``blocks`` entry: the block size and each block's sha256."""
+        tail = [self._block.hexdigest()] if self._filled else []
+        return {"size": self.block_bytes, "sha256": self._done + tail}
 
 
 def read_receipt(path: str) -> dict | None:
-    """The receipt's ``outputs`` (file name -> {"sha256", "size"}), or None when the directory
-    has no receipt. Raises ValueError/OSError/KeyError/TypeError on an unreadable one."""
+    """The receipt's ``outputs`` (file name -> {"size", "sha256"[, "blocks"]}), or None when the
+    directory has no receipt. Raises ValueError/OSError/KeyError/TypeError on an unreadable one."""
     receipt = os.path.join(path, RECEIPT_NAME)
     if not os.path.exists(receipt):
         return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConversionError
+from .layout import BlockHash
 
 ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -224,17 +225,17 @@ class OutFile:
     def __init__(self, path: Path, hasher: ThreadPoolExecutor):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        self._sha = hashlib.sha256()
+        self._sha, self._blocks = hashlib.sha256(), BlockHash()
         self._hasher = hasher
-        self._pending = None             # the hash of the last chunk, still running
+        self._pending = []               # the hashes of the last chunk, still running
         self._buf = None                 # allocated once per file, not per tensor
         self._kernel_copy = hasattr(os, "sendfile")
         self.size = 0
 
     def _settle(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        for p in self._pending:
+            p.result()
+        self._pending = []
 
     def _write(self, view) -> None:
         while view:
@@ -244,6 +245,7 @@ class OutFile:
         self._settle()                   # hash updates stay in file order
         self._write(memoryview(data))
         self._sha.update(data)
+        self._blocks.update(data)
         self.size += len(data)
 
     def copy_range(self, f, start: int, nbytes: int) -> None:
@@ -261,7 +263,8 @@ class OutFile:
             view = self._buf[:n]
             if os.preadv(self._fd, [view], self.size) != n:
                 raise ConversionError(f"{self.path}: output shorter than what was written")
-            self._pending = self._hasher.submit(self._sha.update, view)
+            # the whole-file hash and the block hashes, side by side
+            self._pending = [self._hasher.submit(h.update, view) for h in (self._sha, self._blocks)]
             self.size += n
             pos += n
 
@@ -287,18 +290,20 @@ class OutFile:
         for _, view in read_chunks(f, pos, n, self._buf):
             self._write(view)
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> dict:
+        """The file's receipt entry: size, sha256 and the per-block sha256s."""
         try:
             self._settle()
         finally:
             os.close(self._fd)
-        return self.size, self._sha.hexdigest()
+        return {"size": self.size, "sha256": self._sha.hexdigest(), "blocks": self._blocks.blocks()}
 
 
 def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, str],
-                      files: SourceFiles, on_bytes=None) -> tuple[int, str]:
-    """Stream ``tensors`` (in the given order) into ``path``; returns (size, sha256)."""
-    with ThreadPoolExecutor(1) as hasher:
+                      files: SourceFiles, on_bytes=None) -> dict:
+    """Stream ``tensors`` (in the given order) into ``path``; returns its receipt entry
+    (size, sha256, blocks)."""
+    with ThreadPoolExecutor(2) as hasher:
         out = OutFile(path, hasher)
         try:
             out.write(header_bytes(tensors, metadata))
@@ -308,8 +313,8 @@ def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, 
                     if on_bytes is not None:
                         on_bytes(src.nbytes)
         finally:
-            size, sha = out.close()
-    return size, sha
+            entry = out.close()
+    return entry
 
 
 def sha256_file(path: Path, stop=None) -> tuple[int, str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .integrity import check_level
 from .speculative import Sampler, Session, Stats, decode
 from .tokenizer import encode, load_tokenizer
 
@@ -65,14 +66,18 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None) -> Pair:
+def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     """Load a converted target (and drafter).
 
     ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
     of ModelOpt exports, converted on first use into the cache (model_cache.py). A local
     directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
-    drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding)."""
+    drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).
+    ``verify``: how much of both checkpoints is checked against their conversion receipts
+    before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
+    blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
+    receipt (docs/integrity.md)."""
     from . import model_cache
     from .drafter import load_drafter
     from .target import load_target
@@ -80,6 +85,7 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
     if model is None:
         model = DEMO / "target"
         drafter = DEMO / "drafter" if drafter is None else drafter
+    check_level(verify)
     for name, what in ((model, "model"), (drafter, "drafter")):
         if name is not None and not model_cache.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
@@ -87,10 +93,11 @@ def load(model=None, drafter=None, dtype=None) -> Pair:
                                     f"repo id)")
     model = model_cache.resolve(model)
     drafter = model_cache.resolve(drafter) if drafter is not None else None
-    target = load_target(model, dtype=dtype)
+    target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
-                drafter=load_drafter(drafter, target) if drafter is not None else None,
-                tokenizer=load_tokenizer(model))
+                drafter=(load_drafter(drafter, target, verify=verify)
+                         if drafter is not None else None),
+                tokenizer=load_tokenizer(model, target.config.vocab_size))
 
 
 def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,

@@ -12,11 +12,11 @@ handler only sets a flag, so no model call is torn in half."""
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from . import api
-from .cli_support import format_acceptance, generation_kwargs
+from .cli_support import (SEEDS, CatchInterrupt, CommandError, format_acceptance,
+                          generation_kwargs, utf8_text)
 from .tokenizer import _encode, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
@@ -65,21 +65,6 @@ class Conversation:
         self.ids = prompt + answer_ids
 
 
-class CatchInterrupt:
-    """While active, Ctrl-C (SIGINT) sets ``hit`` instead of raising KeyboardInterrupt."""
-
-    def __enter__(self):
-        self.hit = False
-        self._old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        self.hit = True
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._old)
-
-
 def status_line(stats: dict) -> str:
     """One line after each answer; ``prompt`` counts the tokens prefilled and reused."""
     prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
@@ -108,16 +93,22 @@ class Chat:
         drafter = "no drafter" if self.pair.drafter is None else "DSpark drafter"
         print(f"mlx-dspark chat: {model}, {drafter}, speculative {self.args.speculative}. "
               f"/help lists the commands, Ctrl-D exits.")
+        if hasattr(sys.stdin, "reconfigure"):    # bytes that are not UTF-8 reach utf8_text
+            sys.stdin.reconfigure(errors="surrogateescape")
         while True:
             try:
                 line = input(">>> ").strip()
                 if line.startswith('"""'):
                     line = _read_block(line[3:])
+                utf8_text(line, "that message")
             except EOFError:
                 print()
                 return 0
             except KeyboardInterrupt:
                 print("\n(Ctrl-D or /quit exits)")
+                continue
+            except CommandError as e:
+                print(f"error: {e}; it was not sent")
                 continue
             if not line:
                 continue
@@ -149,7 +140,7 @@ class Chat:
         ids = self.conversation.prompt(user)
         kwargs = generation_kwargs(self.args)
         if self.args.seed is not None:     # a different, reproducible draw every turn
-            kwargs["seed"] = self.args.seed + len(self.turns)
+            kwargs["seed"] = (self.args.seed + len(self.turns)) % SEEDS
         pieces, tokens, stats = [], [], None
         stop_tokens = set(self.pair.tokenizer.eos_token_ids)
         stream = api.stream_generate(self.pair, ids, session=self.session, **kwargs)

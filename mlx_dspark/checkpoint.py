@@ -1,65 +1,34 @@
-"""A converted directory as the runtime reads it: the receipt check, the weight files and the
-weight-load gate (every tensor a model holds compared with the bytes in the file, read again
-by an independent parser). The layout itself is converter/layout.py's."""
+"""A converted directory as the runtime reads it: the weight files (which ones, and their check
+against the receipt, are integrity.py's) and the weight-load gate (every tensor a model holds
+compared with the bytes in the file, read again by an independent parser). The layout itself is
+converter/layout.py's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .converter.layout import GROUP_SIZE, RECEIPT_NAME, read_receipt, weight_files
+from .converter.layout import GROUP_SIZE
+from .integrity import CheckpointError, checkpoint_files
 from .quant import ScaledLinear
 
 
-class CheckpointError(ValueError):
-    """A converted checkpoint that cannot be used (bad file, unsupported variant, wrong target)."""
-
-
-def _checkpoint_files(path: str) -> list[str]:
-    files = weight_files(path)
-    if not files:
-        raise CheckpointError(f"{path}: no model*.safetensors files")
-    return files
-
-
-def check_receipt(path: str):
-    """When the converter's receipt is present, the model files must still hash to what it
-    recorded: a flipped byte in a tensor is otherwise invisible (the gate compares the loaded
-    model with the file, not the file with the conversion)."""
-    receipt = os.path.join(path, RECEIPT_NAME)
-    try:
-        outputs = read_receipt(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{receipt}: unreadable conversion receipt ({e})") from None
-    if outputs is None:
-        return
-    for f in _checkpoint_files(path):
-        want = outputs.get(os.path.basename(f), {}).get("sha256")
-        if want is None:
-            raise CheckpointError(f"{f}: not listed in the conversion receipt {receipt}")
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-        if h.hexdigest() != want:
-            raise CheckpointError(f"{f}: sha256 {h.hexdigest()} differs from the conversion receipt "
-                                   f"({want}): the file changed after conversion")
-
-
 def read_weights(path: str) -> tuple[dict, dict]:
-    """All tensors of the checkpoint, and which file each came from."""
+    """All tensors of the checkpoint's weight files (integrity.checkpoint_files), and which file
+    each came from. A tensor in two files is refused: a stray copy never overrides another."""
     weights, origin = {}, {}
-    for f in _checkpoint_files(path):
+    for f in checkpoint_files(path):
         try:
             shard = mx.load(f)
         except Exception as e:  # MLX reports truncated/corrupt files with various types
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
         for k, v in shard.items():
+            if k in origin:
+                raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
             weights[k] = v
             origin[k] = f
     return weights, origin
@@ -135,7 +104,7 @@ def weight_gate(drafter: nn.Module, path: str) -> str:
     or when nothing was comparable. Returns the report ``"k/k tensors match"``. A model that
     borrows its embedding has a ``shared_embedding()`` method returning the borrowed table."""
     stored = {}
-    for f in _checkpoint_files(path):
+    for f in checkpoint_files(path):
         for name, (st_dtype, arr) in read_raw_safetensors(f).items():
             stored[name] = (f, st_dtype, arr)
     params = dict(tree_flatten(drafter.parameters()))

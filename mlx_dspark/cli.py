@@ -2,13 +2,16 @@
 
 Each subcommand is one row of ``COMMANDS``: a name, a one-line help, a function that adds its
 arguments, and a handler ``run(args) -> int``. Handlers import their heavy modules lazily so
-``mlx-dspark convert`` never loads MLX. Errors meant for the user (``USER_ERRORS``) print one
-line and exit 1; anything else is a bug and keeps its traceback.
+``mlx-dspark convert`` and ``verify`` never load MLX. Exit codes: 0 done; 1 an error meant for
+the user (``USER_ERRORS``: one line on stderr); 2 a usage error (argparse's code, one line too);
+130 Ctrl-C; 141 standard output closed early (``| head``: nothing more is written, no message).
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -16,8 +19,9 @@ from typing import Callable
 from mlx_dspark import __version__, commands
 from mlx_dspark.cli_support import CommandError
 from mlx_dspark.converter.errors import ConversionError
+from mlx_dspark.integrity import CheckpointError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,16 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="a converted directory")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from mlx_dspark.integrity import verify_directory
+    print(verify_directory(args.dir))
+    return 0
+
+
 COMMANDS: list[Command] = [
     Command("convert", "convert a ModelOpt NVFP4/FP8 export to the MLX layout, bit for bit",
             _convert_arguments, _convert),
@@ -62,11 +76,22 @@ COMMANDS: list[Command] = [
             commands.run_generate),
     Command("chat", commands.CHAT_HELP, commands.chat_arguments, commands.run_chat),
     Command("bench", commands.BENCH_HELP, commands.bench_arguments, commands.run_bench),
+    Command("verify", "check every byte of a converted directory against its conversion receipt",
+            _verify_arguments, _verify),
+    Command("serve", commands.SERVE_HELP, commands.serve_arguments, commands.run_serve),
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit code 2, as argparse has it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} "
+                     f"--help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mlx-dspark",
         description="Nemotron-H with NVIDIA's DSpark speculative drafter on MLX")
     parser.add_argument("--version", action="version", version=f"mlx-dspark {__version__}")
@@ -86,8 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlx-dspark {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"mlx-dspark {args.command}: interrupted", file=sys.stderr)
+        print(f"\nmlx-dspark {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): point stdout at /dev/null so that the interpreter's final
+        # flush does not complain again, and end quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -7,10 +7,47 @@ Free of MLX at import (MLX, the models and the tokenizer are imported inside ``l
 from __future__ import annotations
 
 import argparse
+import signal
+
+from .integrity import VERIFY_LEVELS
 
 
 class CommandError(Exception):
     """A one-line error for the user; the CLI prints it and exits 1."""
+
+
+class CatchInterrupt:
+    """While active, Ctrl-C (SIGINT) sets ``hit`` instead of raising KeyboardInterrupt, so no
+    model call is torn in half. ``once``: a second Ctrl-C raises as usual (a command that
+    would otherwise wait for the next token to notice)."""
+
+    def __init__(self, once: bool = False):
+        self.once = once
+
+    def __enter__(self):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.hit = True
+        if self.once:
+            signal.signal(signal.SIGINT, self._old)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+
+
+def utf8_text(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; a command line or a terminal holding bytes that are
+    not UTF-8 gives lone surrogates (Python's surrogateescape), refused here in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        bad = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise CommandError(f"{what} is not UTF-8 text ({bad} at character {e.start})") from None
+    return text
 
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -27,6 +64,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="converted DSpark drafter directory or repo id (default: the demo "
                         "drafter without --model, no drafter with --model)")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
+    p.add_argument("--verify", choices=VERIFY_LEVELS, default="auto",
+                   help="how much of the checkpoints to check against their conversion receipts "
+                        "before loading: auto (default: all of a small checkpoint, sizes and "
+                        "sampled blocks of a large one), full, fast, or none (needed for a "
+                        "directory without a receipt)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -36,7 +78,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--seed", type=_seed, metavar="S",
+                   help="random seed for sampling, 0 to 2**64-1; -1 or no --seed: a random one")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
@@ -81,6 +124,21 @@ def _at_least(low: int):
 
 _positive = _at_least(1)
 
+SEEDS = 1 << 64
+
+
+def _seed(s: str) -> int | None:
+    """An argparse type: a seed in [0, 2**64), or -1 for a random one (llama.cpp's spelling)."""
+    n = int(s)
+    if n == -1:
+        return None
+    if not 0 <= n < SEEDS:
+        raise argparse.ArgumentTypeError(f"{s}: a seed is 0 to 2**64-1 (or -1 for a random one)")
+    return n
+
+
+_seed.__name__ = "seed"
+
 
 def load_pair(args: argparse.Namespace):
     """The pair named by --model/--drafter/--dtype, or the embedded demo pair."""
@@ -94,7 +152,7 @@ def load_pair(args: argparse.Namespace):
         import mlx.core as mx
         dtype = getattr(mx, args.dtype)
     try:
-        pair = api.load(args.model, args.drafter, dtype=dtype)
+        pair = api.load(args.model, args.drafter, dtype=dtype, verify=args.verify)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
     if args.speculative == "on" and pair.drafter is None:

@@ -1,4 +1,5 @@
-"""The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat`` and ``bench`` (DESIGN §3).
+"""The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat``, ``bench`` and ``serve``
+(DESIGN §3).
 
 This module only defines arguments and handlers; MLX, the models and the tokenizer are
 imported inside the handlers, so ``mlx-dspark convert`` and ``--help`` stay quick. Problems a
@@ -10,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_support import (CommandError, _at_least, _one_line, _positive, add_model_arguments,
-                          add_sampling_arguments, add_stats_argument, add_system_prompt_argument,
-                          format_stats, generation_kwargs, load_pair, require_chat_template)
+from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
+                          _positive, add_model_arguments, add_sampling_arguments,
+                          add_stats_argument, add_system_prompt_argument, format_stats,
+                          generation_kwargs, load_pair, require_chat_template, utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,7 +44,10 @@ def run_generate(args: argparse.Namespace) -> int:
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             raise CommandError("no prompt: pass --prompt TEXT or pipe the prompt on stdin")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        prompt = utf8_text(data.decode("utf-8", "surrogateescape"), "the prompt on standard input")
+    else:
+        prompt = utf8_text(prompt, "--prompt")
     if not prompt:
         raise CommandError("empty prompt")
     for flag, value in (("--reasoning", args.reasoning), ("--system-prompt", args.system_prompt)):
@@ -61,19 +66,33 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = encode_chat(pair.tokenizer, system + [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
     stats = None
-    try:
-        for chunk in api.stream_generate(pair, prompt, **generation_kwargs(args)):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            stats = chunk.stats
-    except ValueError as e:    # the prompt does not fit the model, a bad sampling value
-        raise CommandError(_one_line(e)) from None
+    stream = api.stream_generate(pair, prompt, **generation_kwargs(args))
+    # Ctrl-C stops at the next token (a second one at once), so the stats stay whole.
+    with CatchInterrupt(once=True) as interrupt:
+        try:
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats = chunk.stats
+                if interrupt.hit:
+                    stats = dict(stats, finish_reason="interrupted")
+                    break
+        except ValueError as e:    # the prompt does not fit the model, a bad sampling value
+            raise CommandError(_one_line(e)) from None
+        except KeyboardInterrupt:  # the second Ctrl-C, before a token came
+            interrupt.hit = True
+            if stats is not None:
+                stats = dict(stats, finish_reason="interrupted")
+        finally:
+            stream.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if args.stats:
+    if interrupt.hit:
+        print("mlx-dspark generate: interrupted", file=sys.stderr)
+    if args.stats and stats is not None:
         print("\n".join(["=========="] + format_stats(stats, args.speculative)),
               file=sys.stderr)
-    return 0
+    return 130 if interrupt.hit else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,6 +109,8 @@ def chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    if args.system is not None:
+        utf8_text(args.system, "--system")
     pair = load_pair(args)
     from .chat import Chat
 
@@ -126,3 +147,42 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from . import bench_cli
     return bench_cli.run(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+
+
+SERVE_HELP = "an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)"
+
+
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_at_least(0), default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
+                   help="requests that may wait while one generates; more get HTTP 503 "
+                        "(default 16)")
+    p.add_argument("--prefix-cache-mb", type=_at_least(0), default=1024, metavar="MB",
+                   help="memory for state snapshots a request can continue from (a chat's "
+                        "earlier turns); 0 turns prefix reuse off (default 1024)")
+    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
+                   help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
+                   help="auto: speculate only while it pays (default); on: always; off: never")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .server import Engine, serve
+
+    decode = dict(num_draft=args.num_draft, speculative=args.speculative)
+    engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20, decode)
+    engine.start()      # loads the pair on the engine's thread; CommandError comes back here
+    serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
+          args.port, args.api_key)
+    return 0

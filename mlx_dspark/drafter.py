@@ -25,9 +25,10 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import _embedding_identical, check_receipt, read_weights, weight_gate
+from .checkpoint import _embedding_identical, read_weights, weight_gate
 from .converter.layout import LAYOUT
 from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
+from .integrity import check_checkpoint
 from .kernels.attention import sink_attention, window_mask
 from .quant import Weights
 from .sampling import draw, warp
@@ -168,6 +169,15 @@ class Drafter(nn.Module):
         empty = mx.zeros((1, self.config.num_kv_heads, 0, self.config.head_dim), self.dtype)
         self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
 
+    def state(self):
+        """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
+        into them, so the state stays valid while the drafter goes on)."""
+        return self.length, tuple(self._cache)
+
+    def set_state(self, state):
+        self.length, cache = state
+        self._cache = list(cache)
+
     def shared_embedding(self) -> mx.array:
         """The target's embedding table, read through ``target.embed`` in chunks."""
         v = self.config.vocab_size
@@ -245,13 +255,14 @@ class Drafter(nn.Module):
 
 
 def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
-                 verbose: bool = False) -> Drafter:
+                 verbose: bool = False, verify: str = "auto") -> Drafter:
     """Load a converted DSpark drafter for ``target`` and pass it through the weight-load gate.
 
     ``dtype`` is the compute dtype (None: the target's ``dtype`` attribute if it has one, else
     float32). ``nvfp4`` picks the NVFP4 compute path as for the target (quant.nvfp4_policy
     when None). The drafter borrows the target's lm_head, and its embedding when the drafter's
-    own copy is bit-identical to it."""
+    own copy is bit-identical to it. ``verify``: how much of the files is checked against the
+    conversion receipt first (integrity.py); a drafter without a receipt needs ``"none"``."""
     cfg_file = os.path.join(path, "config.json")
     try:
         with open(cfg_file) as fh:
@@ -272,7 +283,7 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
     if dtype is None:
         dtype = getattr(target, "dtype", None) or mx.float32
 
-    check_receipt(path)
+    check_checkpoint(path, verify)
     weights, origin = read_weights(path)
     check_tensors(cfg, weights, origin, path, quant.get("modules") or {})
     share = (not cfg.has_embed_tokens

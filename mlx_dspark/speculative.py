@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import sampling
 from .controller import Controller
@@ -192,6 +193,43 @@ class Session:
             taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
             self.drafter.add_context(taps, self.pending_start)
             self.pending = []
+
+    def snapshot(self) -> "Snapshot":
+        """The state after ``tokens``, to :meth:`restore` later (a server's prefix cache).
+        Take it between steps (not between a verify and its commit). Beyond the loop's
+        protocols this needs ``cache.snapshot()/restore()`` (target.TargetCache) and
+        ``drafter.state()/set_state()`` (drafter.Drafter)."""
+        cache = self.cache.snapshot()
+        drafter = self.drafter.state() if self.drafter is not None else None
+        pending = tuple(self.pending)
+        mx.eval(list(pending))
+        nbytes = sum(x.nbytes for _, x in tree_flatten([cache, drafter, pending])
+                     if isinstance(x, mx.array))
+        return Snapshot(tuple(self.tokens), cache, drafter, pending, self.pending_start, nbytes)
+
+    def restore(self, snap: "Snapshot"):
+        """Continue from ``snap`` (of a session on the same target and drafter); the
+        snapshot stays valid, so it can be restored again."""
+        self.cache = self.target.make_cache()
+        self.cache.restore(snap.cache)
+        if self.drafter is not None:
+            self.drafter.set_state(snap.drafter)
+        self.tokens = list(snap.tokens)
+        self.pending = list(snap.pending)
+        self.pending_start = snap.pending_start
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's state after ``tokens`` (:meth:`Session.snapshot`); ``nbytes`` sums its
+    arrays (arrays shared with other snapshots are counted in each)."""
+
+    tokens: tuple[int, ...]
+    cache: object
+    drafter: object
+    pending: tuple
+    pending_start: int
+    nbytes: int
 
 
 @dataclass

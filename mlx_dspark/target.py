@@ -30,7 +30,6 @@ Numerics (where we knowingly differ from the references):
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -38,8 +37,9 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import check_receipt
+from .checkpoint import read_weights
 from .converter.layout import decode_float, layer_pattern
+from .integrity import check_checkpoint
 from .kernels import mamba as K
 from .quant import Weights, make_linear
 
@@ -176,6 +176,32 @@ class TargetCache:
 
     def __getitem__(self, i):
         return self.layers[i]
+
+    def snapshot(self):
+        """This state in arrays that later steps cannot change, for :meth:`restore`. KV buffers
+        are written in place (slice assignment), so their filled part is copied; Mamba states
+        are only ever replaced, never written into, so they are shared."""
+        if self.pending is not None:
+            raise RuntimeError("snapshot() between a verify and its commit")
+        layers = tuple(None if c is None else
+                       (c.conv, c.ssm) if isinstance(c, MambaCache) else
+                       None if c.keys is None else tuple(mx.contiguous(x) for x in c.state())
+                       for c in self.layers)
+        mx.eval([x for layer in layers if layer for x in layer if x is not None])
+        return self.offset, layers
+
+    def restore(self, state):
+        """Take the state of an earlier :meth:`snapshot` (which stays usable)."""
+        self.offset, layers = state
+        self.pending = None
+        for c, s in zip(self.layers, layers):
+            if isinstance(c, MambaCache):
+                (c.conv, c.ssm), c.record = s, None
+            elif isinstance(c, KVCache):
+                c.keys = c.values = None
+                c.offset = 0
+                if s is not None:
+                    c.update(*s)      # into a fresh buffer: the snapshot is never written
 
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (to evaluate pending rollback work)."""
@@ -505,25 +531,15 @@ def _stack_experts(w: dict, n_layers: int) -> dict:
     return w
 
 
-def load_weights(path: str) -> dict:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    w = {}
-    for f in files:
-        try:
-            w.update(mx.load(f))
-        except Exception as e:  # noqa: BLE001 - re-raised with the file named
-            raise ValueError(f"{f}: cannot read safetensors ({e})") from None
-    return w
-
-
-def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
+def load_target(path: str, dtype=None, nvfp4: str | None = None,
+                verify: str = "auto") -> NemotronH:
     """Load a converted (or plain HF-format) Nemotron-H directory.
 
     ``dtype``: compute dtype, default :func:`default_dtype`. ``nvfp4``: ``"quantized"`` or
     ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed
-    experts always stay packed (quant.make_experts)."""
+    experts always stay packed (quant.make_experts). ``verify``: how much of the files is
+    checked against the conversion receipt first (integrity.py); a converted directory
+    without a receipt needs ``verify="none"``."""
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -538,9 +554,9 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None) -> NemotronH:
         # misread NVFP4 block scales as FP8 weights.
         raise ValueError(f"{cfg_path}: a quantized export not converted to the MLX layout; "
                          "run `mlx-dspark convert` on it first")
+    check_checkpoint(path, verify, require_receipt="quantization" in raw)
     cfg = TargetConfig.from_dict(raw, cfg_path)
-    check_receipt(path)
-    w = _stack_experts(load_weights(path), cfg.num_hidden_layers)
+    w = _stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
         model = NemotronH(cfg, w, dtype or default_dtype(), nvfp4)

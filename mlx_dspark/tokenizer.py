@@ -12,16 +12,28 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
 
 
-def load_tokenizer(path) -> TokenizerWrapper:
+def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
+    """The checkpoint's tokenizer. Never runs code shipped with the checkpoint (and so never
+    asks whether to); with ``vocab_size``, refuses a tokenizer whose ids reach past the
+    model's vocabulary (they would index past the embedding)."""
     path = Path(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model",
                                               "tokenizer_config.json")):
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model "
                                 f"or tokenizer_config.json)")
     try:
-        return _load(path)
+        tokenizer = _load(path, {"trust_remote_code": False})
     except Exception as e:  # transformers raises many kinds; name the directory once
+        if "trust_remote_code" in str(e):
+            raise ValueError(f"{path}: the tokenizer needs code shipped with the checkpoint "
+                             f"(tokenizer_config.json auto_map); mlx-dspark never runs it") from None
         raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
+    if vocab_size is not None:
+        ids = max(tokenizer.get_vocab().values(), default=-1) + 1
+        if ids > vocab_size:
+            raise ValueError(f"{path}: the tokenizer has ids up to {ids - 1} but the model's "
+                             f"vocab_size is {vocab_size}: a tokenizer for another model")
+    return tokenizer
 
 
 def encode(tokenizer, prompt, chat: bool = False, options: dict | None = None) -> list[int]:

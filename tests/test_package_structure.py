@@ -88,7 +88,7 @@ def _loads_mlx(code: str, cwd) -> bool:
     return r.stdout.strip().splitlines()[-1] == "MLX"
 
 
-def test_help_convert_and_the_cli_helpers_do_not_load_mlx(tmp_path):
+def test_help_convert_verify_and_the_cli_helpers_do_not_load_mlx(tmp_path):
     assert not _loads_mlx("import mlx_dspark.cli_support, mlx_dspark.converter.layout", tmp_path)
     assert not _loads_mlx("from mlx_dspark import cli\n"
                           "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass", tmp_path)
@@ -97,6 +97,8 @@ def test_help_convert_and_the_cli_helpers_do_not_load_mlx(tmp_path):
         "synth_target('src')\n"
         "assert cli.main(['convert', 'src', '-o', 'out', '--no-progress']) in (0, None)", tmp_path)
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not _loads_mlx("from mlx_dspark import cli\nassert cli.main(['verify', 'out']) == 0",
+                          tmp_path)
     # and the probe does see MLX when it is loaded
     assert _loads_mlx("import mlx_dspark.speculative", tmp_path)
 
