@@ -89,8 +89,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     for name, what in ((model, "model"), (drafter, "drafter")):
         if name is not None and not model_cache.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
-            raise FileNotFoundError(f"{name}: no such {what} directory (nor a Hugging Face "
-                                    f"repo id)")
+            raise FileNotFoundError(f"{name}: no such {what} directory")
     model = model_cache.resolve(model)
     drafter = model_cache.resolve(drafter) if drafter is not None else None
     target = load_target(model, dtype=dtype, verify=verify)
