@@ -50,6 +50,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = utf8_text(prompt, "--prompt")
     if not prompt:
         raise CommandError("empty prompt")
+    if args.system_prompt is not None:
+        utf8_text(args.system_prompt, "--system-prompt")
     for flag, value in (("--reasoning", args.reasoning), ("--system-prompt", args.system_prompt)):
         if value and args.ignore_chat_template:
             raise CommandError(f"{flag} applies to the chat template: drop --ignore-chat-template")
@@ -109,8 +111,8 @@ def chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    if args.system is not None:
-        utf8_text(args.system, "--system")
+    if args.system_prompt is not None:
+        utf8_text(args.system_prompt, "--system-prompt")
     pair = load_pair(args)
     from .chat import Chat
 
