@@ -7,7 +7,7 @@ drafter's cost while acceptance is what we chose. Greedy, N = 3.
 Target: the embedded demo target (``--demo``, when it is installed) or, by default, a random
 target of the demo's shape (Nemotron-H "MEM*EM", hidden 192, vocab 4096; fp32).
 
-    python benchmarks/bench_loop.py [--demo] [--tokens 64] [--repeats 3] [--json]
+    python benchmarks/bench_loop.py [--demo] [--tokens 64] [--repeats 3] [--only NAME] [--json]
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/bench_loop.py
 """
 
@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--only", help="run only the cases whose name contains this")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -66,6 +67,8 @@ def main():
             lambda p, ref, a=alpha: OracleDrafter(ref, vocab, a, inner=useless, seed=1))
     results = {}
     for name, make in cases.items():
+        if args.only and args.only not in name:
+            continue
         results[name] = compare(target, make, prompts, max_tokens=args.tokens,
                                 repeats=args.repeats)
         print(f"  done: {name}", file=sys.stderr)

@@ -30,15 +30,26 @@ def causal_conv(padded: mx.array, weight: mx.array, bias: mx.array | None) -> mx
     """Depthwise causal conv over ``padded (b, K-1+t, c)`` with ``weight (c, K)``.
 
     Written as a fixed-order sum of K shifted products so that the value at a position
-    depends only on its own window, never on how many positions are computed together."""
+    depends only on its own window, never on how many positions are computed together.
+    Compiled (one fused kernel; the same one for a step, a verify and a prefill piece)."""
+    if bias is None:
+        return _conv(padded, weight)
+    return _conv_bias(padded, weight, bias)
+
+
+@mx.compile
+def _conv(padded, weight):
     k = weight.shape[1]
     t = padded.shape[1] - (k - 1)
     out = padded[:, 0:t] * weight[:, 0]
     for i in range(1, k):
         out = out + padded[:, i:i + t] * weight[:, i]
-    if bias is not None:
-        out = out + bias
     return out
+
+
+@mx.compile
+def _conv_bias(padded, weight, bias):
+    return _conv(padded, weight) + bias
 
 
 def _per_head(v: mx.array, heads: int) -> mx.array:
@@ -47,9 +58,12 @@ def _per_head(v: mx.array, heads: int) -> mx.array:
     return mx.repeat(v, heads // v.shape[-2], axis=-2)
 
 
+@mx.compile
 def ssm_step(state, x, dt, A, B, C):
     """One position. ``x (b,h,p)``, ``dt (b,h)``, ``B, C (b,g,n)`` -> ``(y (b,h,p), state)``.
-    ``y`` excludes the ``D`` skip."""
+    ``y`` excludes the ``D`` skip. Compiled: its elementwise ops fuse into one kernel (fewer
+    launches per token), and every path (step, verify, replay) runs the same fused kernel, so
+    the bit-identical replay still holds."""
     h = x.shape[1]
     dA = mx.exp(dt * A)
     Bh = _per_head(B, h)

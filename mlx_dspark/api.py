@@ -103,7 +103,8 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                     session: Session | None = None,
-                    chat_template_kwargs: dict | None = None) -> Iterator[Chunk]:
+                    chat_template_kwargs: dict | None = None,
+                    sampling: str = "rejection") -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
@@ -111,8 +112,13 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     (such as ``{"enable_thinking": False}``) go to the chat template. ``speculative``: "auto",
     True/"on" or False/"off". ``stop``: extra stop token ids (ints) and/or stop strings; the
     tokenizer's eos ids always stop. A stop token is not part of the output; a stop string
-    ends the text just before it (the token that completed it is kept in ``tokens``)."""
+    ends the text just before it (the token that completed it is kept in ``tokens``).
+
+    ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
+    gives the same tokens whether or not and however the drafter speculates); both sample
+    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both."""
     speculative = _speculative(speculative)
+    sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
     prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
     stop_strings, stop_tokens = _stops(pair, stop)
     if max_tokens < 1:
@@ -127,7 +133,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
     if session is None:
         session = pair.session(speculative)
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
-                    sampler=Sampler(temperature, top_p, top_k), num_draft=num_draft,
+                    sampler=sampler, num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
                     session=session)
     try:

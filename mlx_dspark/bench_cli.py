@@ -3,8 +3,9 @@
 DESIGN §10. The measuring is :mod:`mlx_dspark.bench` (modes interleaved per prompt, warm-up
 first, medians over repeats, the cost model's predicted speedup and the efficiency); this
 module adds the built-in prompt set (code, math, open chat), the summaries per prompt, per
-domain and overall, a check that the three modes' greedy outputs are identical (speculation is
-lossless; on bf16 a near-tie in the target's own logits may flip a token), the serial decode's
+domain and overall, a check that the three modes' outputs are identical (greedy, or sampled with
+the reproducible scheme; on bf16 a near-tie in the target's own logits may flip a token; with
+rejection sampling they agree only in distribution), the serial decode's
 weight bandwidth against the machine's memory-copy bandwidth, and the report: a table, JSON or
 a PNG plot."""
 
@@ -83,6 +84,7 @@ def _domains(spec: str | None) -> list[str]:
 
 def measure(pair, prompts, args) -> dict:
     from . import bench
+    from .speculative import Sampler
     from .tokenizer import encode_chat
 
     def ids(domain, text):
@@ -90,12 +92,14 @@ def measure(pair, prompts, args) -> dict:
             return encode_chat(pair.tokenizer, [{"role": "user", "content": text}], {})[0]
         return list(pair.tokenizer.encode(text))
 
+    sampler = Sampler(args.temp, args.top_p, 0, args.sampling)   # checked by load_pair
+
     def once(prompt_ids, mode, max_tokens, seed=0):
         # "auto" runs as successive generate() calls on one pair do: each starts from what
         # the pair's controller learned in the calls before it.
         session = pair.session() if mode == "auto" else None
         return bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
-                              args.num_draft, seed=seed, session=session)
+                              args.num_draft, sampler=sampler, seed=seed, session=session)
 
     encoded = [ids(d, t) for d, t in prompts]
     _progress("warming up")
@@ -114,7 +118,7 @@ def measure(pair, prompts, args) -> dict:
     def run(i, mode, seed):
         return once(encoded[i], mode, args.max_tokens, seed=seed)
 
-    # greedy: every repeat gives the same tokens, so the last repeat's outputs stand for all
+    # greedy or reproducible sampling: the modes give the same tokens (last repeat's shown)
     runs, outputs = bench.measure(run, len(prompts), args.repeats, progress=progress)
 
     def summary(which: list[int]) -> dict:
@@ -133,7 +137,8 @@ def measure(pair, prompts, args) -> dict:
     return {
         "machine": machine(),
         "settings": {"max_tokens": args.max_tokens, "num_draft": args.num_draft,
-                     "repeats": args.repeats, "temperature": 0.0,
+                     "repeats": args.repeats, "temperature": args.temp, "top_p": args.top_p,
+                     "sampling": args.sampling,
                      "dtype": str(getattr(pair.target, "dtype", "")).replace("mlx.core.", "")},
         "prompts": rows,
         "domains": domains,
@@ -186,7 +191,7 @@ def machine() -> dict:
 
     return {"system": platform.system(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": mx.__version__,
-            "device": "gpu" if mx.metal.is_available() else "cpu"}
+            "device": str(mx.default_device().type).removeprefix("DeviceType.")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ def machine() -> dict:
 def table(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     lines = [
-        f"mlx-dspark bench: {report['model']} + {report['drafter']}, greedy, "
+        f"mlx-dspark bench: {report['model']} + {report['drafter']}, {_sampling(s)}, "
         f"{s['max_tokens']} tokens per prompt, {s['num_draft']} drafts per round, "
         f"{s['dtype']}, median of {s['repeats']}",
         f"machine: {m['system']} {m['machine']}, {m['cpu_count']} cores, MLX {m['mlx']} "
@@ -228,9 +233,16 @@ def table(report: dict) -> str:
         f"serial: {b['weight_bytes_per_token'] / 1e6:.2f} MB of weights per token x "
         f"{o['tokens_per_s']['serial']:.1f} tokens/s = {b['serial_gb_per_s']:.2f} GB/s, against "
         f"{b['memcpy_gb_per_s']:.1f} GB/s memory-copy bandwidth",
-        f"greedy outputs identical in all three modes: {o['same_tokens']}/{o['prompts']} prompts",
+        f"outputs identical in all three modes: {o['same_tokens']}/{o['prompts']} prompts",
     ]
     return "\n".join(lines)
+
+
+def _sampling(settings: dict) -> str:
+    if not settings["temperature"]:
+        return "greedy"
+    return (f"{settings['sampling']} sampling T={settings['temperature']:g} "
+            f"top-p={settings['top_p']:g}")
 
 
 def plot(report: dict, path: str):

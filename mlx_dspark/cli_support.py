@@ -79,7 +79,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
     p.add_argument("--seed", type=_seed, metavar="S",
-                   help="random seed for sampling, 0 to 2**64-1; -1 or no --seed: a random one")
+                   help="random seed for sampling, 0 to 2**64-1 (-1 or no --seed: a random "
+                        "one); reproduces a run in the same --speculative mode, and with "
+                        "--sampling reproducible in every mode")
+    add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
@@ -109,6 +112,13 @@ def _boolean(s: str) -> bool:
     if s.lower() in ("false", "f", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected True or False, not {s!r}")
+
+
+def add_scheme_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sampling", choices=("rejection", "reproducible"), default="rejection",
+                   help="rejection: accepts the most drafts (default); reproducible: a seed "
+                        "fixes the text whatever the drafter does, at some acceptance "
+                        "(docs/sampling.md)")
 
 
 def _at_least(low: int):
@@ -141,8 +151,18 @@ _seed.__name__ = "seed"
 
 
 def load_pair(args: argparse.Namespace):
-    """The pair named by --model/--drafter/--dtype, or the embedded demo pair."""
+    """The pair named by --model/--drafter/--dtype, or the embedded demo pair; the sampling
+    options are checked first, so a typo costs no loading time."""
     from . import api
+    from .speculative import Sampler
+
+    try:
+        if hasattr(args, "temp"):          # generate, chat, bench (serve takes them per request)
+            Sampler(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
+    except ValueError as e:
+        raise CommandError(_one_line(e).replace("temperature", "--temp")
+                           .replace("top_p", "--top-p").replace("top_k", "--top-k")
+                           .replace("sampling must", "--sampling must")) from None
 
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
@@ -174,7 +194,7 @@ def require_chat_template(pair, args: argparse.Namespace) -> None:
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
-                speculative=args.speculative)
+                speculative=args.speculative, sampling=args.sampling)
 
 
 def _one_line(e: Exception) -> str:

@@ -13,8 +13,9 @@ import sys
 
 from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
                           _positive, add_model_arguments, add_sampling_arguments,
-                          add_stats_argument, add_system_prompt_argument, format_stats,
-                          generation_kwargs, load_pair, require_chat_template, utf8_text)
+                          add_scheme_argument, add_stats_argument, add_system_prompt_argument,
+                          format_stats, generation_kwargs, load_pair, require_chat_template,
+                          utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +135,10 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                         "have steps to time (default 64)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
+    add_scheme_argument(p)
     p.add_argument("--repeats", type=_positive, default=1, metavar="R",
                    help="runs per prompt and mode; the median is reported (default 1)")
     p.add_argument("--domains", metavar="LIST",

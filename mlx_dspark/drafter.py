@@ -31,7 +31,7 @@ from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tenso
 from .integrity import check_checkpoint
 from .kernels.attention import sink_attention, window_mask
 from .quant import Weights
-from .sampling import draw, warp
+from .sampling import gumbel_max
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +171,8 @@ class Drafter(nn.Module):
 
     def state(self):
         """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
-        into them, so the state stays valid while the drafter goes on)."""
+        into them, so the state stays valid while the drafter goes on). ``add_context``
+        leaves the arrays lazy: evaluating the state computes a pending catch-up."""
         return self.length, tuple(self._cache)
 
     def set_state(self, state):
@@ -209,7 +210,6 @@ class Drafter(nn.Module):
             cache.append((k, v))
         self._cache = cache
         self.length = start_pos + taps.shape[0]
-        mx.eval(self._cache)
 
     def block_logits(self, bonus, n: int) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
@@ -226,25 +226,23 @@ class Drafter(nn.Module):
         return self._target.lm_head(h).astype(mx.float32)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, key=None):
+                top_k: int = 0, noise: mx.array | None = None):
         """Draft ``n`` tokens after ``bonus`` (which sits at position ``length``).
 
-        Returns ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits each token
-        was drawn from (warp them with ``sampling.warp`` to get the draft distribution)."""
+        ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
+        noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
+        argmax. Returns lazy ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits
+        each token was drawn from (warp them with ``sampling.warp`` for the distribution)."""
         if not 1 <= n < self.config.block_size:
             raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
                              f"tokens (block_size {self.config.block_size})")
         u = self.block_logits(bonus, n)
-        keys = mx.random.split(key, n) if key is not None else [None] * n
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
         tokens, logits = [], []
         for j in range(n):
             z = u[j:j + 1] + self.markov_head(prev)
-            if temperature == 0:
-                # warp's one-hot argmax, without building a [V, V] identity
-                prev = mx.argmax(z, axis=-1).astype(mx.int32)
-            else:
-                prev = draw(warp(z, temperature, top_p, top_k), key=keys[j]).astype(mx.int32)
+            g = None if noise is None else noise[j:j + 1]
+            prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
             tokens.append(prev)
             logits.append(z)
         return mx.concatenate(tokens), mx.concatenate(logits)

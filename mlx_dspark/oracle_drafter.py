@@ -37,6 +37,9 @@ class OracleDrafter:
     def target_layer_ids(self):
         return self._ids
 
+    def state(self):
+        return self.length, self.inner.state() if self.inner is not None else None
+
     def reset(self):
         self.length = 0
         if self.inner is not None:
@@ -50,9 +53,9 @@ class OracleDrafter:
             self.inner.add_context(taps, start_pos)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, key=None):
+                top_k: int = 0, noise=None):
         if self.inner is not None:
-            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, key))
+            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise))
         if self.draft_work is not None:
             self.draft_work()
         tokens = []

@@ -141,12 +141,18 @@ def make_linear(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None 
 # which makes the gathered matmul contiguous per expert for long inputs.
 
 
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU by default (Metal, or any other GPU backend MLX has):
+    dtype and kernel choices follow the device that runs, not the platform."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def expert_compute_dtype(dtype):
     """The dtype the gathered expert matmuls run in. MLX's CPU ``gather_mm`` only accepts
     float32 and its CPU ``gather_qmm`` is several times slower in bf16 than in float32
-    (measured, benchmarks/bench_target.py), so off Metal experts compute in float32 whatever
+    (measured, benchmarks/bench_target.py), so on the CPU experts compute in float32 whatever
     the model dtype; their inputs and outputs are cast at the boundary."""
-    return dtype if mx.metal.is_available() else mx.float32
+    return dtype if on_gpu() else mx.float32
 
 
 class NVFP4Experts(nn.Module):

@@ -1,61 +1,123 @@
 """Turning logits into a distribution and drawing from it.
 
 The target and the drafter must warp logits *identically* (temperature, then top-k, then
-top-p), because lossless rejection sampling compares the two warped distributions."""
+top-p): both acceptance schemes compare the two warped distributions.
+
+Every draw is a Gumbel-max draw, ``argmax(log p + g)`` with standard Gumbel noise ``g``; greedy
+decoding is the case ``g = 0``. Two schemes choose the noise (DESIGN §7, docs/sampling.md):
+
+* ``reproducible``: ``g`` of the token at absolute position ``t`` is fixed by (seed, t), and
+  the drafter proposes with the *same* noise. A draft is accepted while it equals the target's
+  own Gumbel-max token, so every emitted token is the one serial decoding would emit with that
+  seed: the text does not depend on the drafter, ``num_draft`` or the controller.
+* ``rejection``: fresh noise per round and speculative rejection sampling (Leviathan et al.
+  2023): accepts more drafts, reproduces only in distribution."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
+SCHEMES = ("reproducible", "rejection")
+# The default: rejection sampling, because the coupled scheme accepted 20 % fewer tokens per
+# round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed to cost
+# (docs/sampling.md has the table and the command).
+DEFAULT_SCHEME = "rejection"
 
-def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> mx.array:
-    """Probabilities (float32, last axis) after temperature, top-k and top-p.
 
-    ``temperature == 0`` gives the one-hot of the argmax (ties: lowest index), so greedy
-    decoding is the same code path as sampling."""
-    logits = logits.astype(mx.float32)
-    if temperature == 0:
-        best = mx.argmax(logits, axis=-1, keepdims=True)
-        return (mx.arange(logits.shape[-1]) == best).astype(mx.float32)
-    logits = logits / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
-        logits = mx.where(logits < kth, -mx.inf, logits)
-    probs = mx.softmax(logits, axis=-1)
-    if top_p < 1.0:
+def check_params(temperature, top_p, top_k, scheme: str = DEFAULT_SCHEME):
+    """Refuse sampling parameters outside their meaning (mlx-lm's: top_p 0 or 1 and top_k 0
+    are "off", temperature 0 is greedy), one line naming the parameter."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                         f"not {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) \
+            or not 0 <= top_p <= 1:          # NaN fails the comparison too
+        raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), not {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), not {top_k!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"sampling must be one of {', '.join(SCHEMES)}, not {scheme!r}")
+
+
+def log_warp(logits: mx.array, temperature: float, top_p: float = 1.0,
+             top_k: int = 0) -> mx.array:
+    """Log-probabilities (float32, last axis) after temperature, top-k and top-p; excluded
+    tokens are -inf. ``temperature > 0``. The largest logit is subtracted before dividing, so
+    a tiny temperature (1e-30) gives the limit (mass spread over the tied maxima, -inf
+    elsewhere) instead of inf - inf."""
+    z = logits.astype(mx.float32)
+    z = (z - z.max(axis=-1, keepdims=True)) / temperature
+    if top_k and top_k < z.shape[-1]:
+        kth = mx.sort(z, axis=-1)[..., -top_k][..., None]
+        z = mx.where(z < kth, -mx.inf, z)
+    logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    if 0 < top_p < 1:
         # Keep the smallest set of most likely tokens whose mass reaches top_p
         # (a token is kept when the mass strictly before it is < top_p).
+        probs = mx.exp(logp)
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(sorted_p, axis=-1) - sorted_p
         keep_sorted = before < top_p
         keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-        probs = mx.where(keep, probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
+        logp = mx.where(keep, logp, -mx.inf)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    return logp
 
 
-def draw(probs: mx.array, key=None) -> mx.array:
-    """One token id per row of ``probs``."""
-    return mx.random.categorical(mx.log(probs), key=key)
+def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> mx.array:
+    """Probabilities (float32, last axis) after temperature, top-k and top-p.
+
+    ``temperature == 0`` gives the one-hot of the argmax (ties: lowest index)."""
+    if temperature == 0:
+        best = mx.argmax(logits, axis=-1, keepdims=True)
+        return (mx.arange(logits.shape[-1]) == best).astype(mx.float32)
+    return mx.exp(log_warp(logits, temperature, top_p, top_k))
+
+
+def gumbel_max(logits: mx.array, temperature: float, top_p: float, top_k: int,
+               noise: mx.array | None) -> mx.array:
+    """The token of each row: ``argmax(log warp(logits) + noise)``; ``noise=None`` (greedy)
+    is the plain argmax."""
+    if noise is None:
+        return mx.argmax(logits, axis=-1)
+    return mx.argmax(log_warp(logits, temperature, top_p, top_k) + noise, axis=-1)
+
+
+def seed_word(seed: int) -> int:
+    """The 32-bit key word of a seed (any int): splitmix64's finaliser, so nearby seeds give
+    unrelated words."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+def position_noise(word: int, start: int, n: int, vocab: int) -> mx.array:
+    """Gumbel noise ``[n, vocab]`` of the tokens at absolute positions start..start+n-1: row
+    ``j`` is drawn with the threefry key ``(word, start + j)``, so it depends on the position
+    only, never on how positions are grouped into steps or rounds."""
+    keys = mx.stack([mx.full((n,), word, dtype=mx.uint32),
+                     mx.arange(start, start + n).astype(mx.uint32)], axis=1)
+    return mx.vmap(lambda k: mx.random.gumbel((vocab,), key=k))(keys)
 
 
 # ---------------------------------------------------------------------------------------------
-# Acceptance (DESIGN §7 step 3). Both functions take the drafts and return
-# ``(a, token)``: the number of drafts accepted (0..N) and the token that follows them
-# (the residual draw after a rejection, the bonus from p_N after full acceptance).
+# Acceptance (DESIGN §7 step 3). Both functions take the drafts ``[N]`` and return lazy
+# ``(a, token)``: the number of drafts accepted (0..N) and the token that follows them, so a
+# round can verify lazy drafts and read everything back once.
 
 
-def accept_greedy(drafts: list[int], target_logits: mx.array) -> tuple[int, int]:
-    """Greedy verification: accept ``d_j`` while it equals ``argmax p_{j-1}``.
-
-    ``target_logits`` is ``[N+1, V]``; the token after the accepted run is the target's own
-    argmax there, so the output is the serial greedy output token for token."""
-    best = mx.argmax(target_logits, axis=-1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == best[a]:
-        a += 1
-    return a, best[a]
+def accept_coupled(drafts: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """Accept ``d_j`` while it equals the target's own token at its position
+    (``target_tokens [N+1]``, Gumbel-max with the drafter's noise, or argmax when greedy); the
+    token after the accepted run is the target's, so the output is serial decoding's."""
+    n = drafts.shape[0]
+    a = mx.cumprod((drafts == target_tokens[:n]).astype(mx.int32)).sum()
+    return a, target_tokens[a]
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:
@@ -68,27 +130,24 @@ def residual(p: mx.array, q: mx.array) -> mx.array:
     return mx.where(mass > 0, r / mx.maximum(mass, 1e-30), p)
 
 
-def accept_sampled(drafts: list[int], p: mx.array, q: mx.array, key) -> tuple[int, int]:
+def accept_rejection(drafts: mx.array, p: mx.array, q: mx.array,
+                     key) -> tuple[mx.array, mx.array]:
     """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
     ``p`` is ``[N+1, V]`` (warped target), ``q`` is ``[N, V]`` (warped draft, the distribution
     each draft was drawn from). Draft ``d_j`` is accepted with probability
     ``min(1, p_{j-1}(d_j) / q_j(d_j))``; the first rejection draws from ``residual``, full
     acceptance draws the bonus from ``p_N``. The emitted tokens are distributed exactly as
-    sampling from ``p`` one token at a time. Everything is computed in one evaluation: the
-    residual rows for every position are drawn at once and the one at ``a`` is kept."""
-    n = len(drafts)
+    sampling from ``p`` one token at a time. The residual rows of every position are drawn at
+    once and the one at ``a`` is kept."""
+    n = drafts.shape[0]
     k_accept, k_draw = mx.random.split(key)
-    d = mx.array(drafts, dtype=mx.int32)[:, None]
+    d = drafts[:, None]
     p_d = mx.take_along_axis(p[:n], d, axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, d, axis=-1)[:, 0]
     u = mx.random.uniform(shape=(n,), key=k_accept)
-    accepted = u * q_d < p_d                       # u < p/q without dividing by q
+    accepted = (u * q_d < p_d).astype(mx.int32)   # u < p/q without dividing by q
     rows = mx.concatenate([residual(p[:n], q), p[n:]], axis=0)
-    next_tokens = draw(rows, key=k_draw)
-    mx.eval(accepted, next_tokens)
-    accepted, next_tokens = accepted.tolist(), next_tokens.tolist()
-    a = 0
-    while a < n and accepted[a]:
-        a += 1
+    next_tokens = mx.random.categorical(mx.log(rows), key=k_draw)
+    a = mx.cumprod(accepted).sum()
     return a, next_tokens[a]

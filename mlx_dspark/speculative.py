@@ -5,7 +5,7 @@
       catch up the drafter gets the taps of tokens it has not seen (prompt, serial steps)
       draft    d1..dN = drafter.propose(bonus, N)             (+ the draft distributions)
       verify   target over [bonus, d1..dN] in one pass        -> p_0..p_N, taps
-      accept   greedy argmax match / rejection sampling       -> a accepted, next token
+      accept   coupled match (same Gumbel noise) / rejection  -> a accepted, next token
       commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
 
 A serial step is the same machinery with no drafts. The break-even controller decides, before
@@ -31,11 +31,18 @@ class Cache(Protocol):
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (evaluated after a commit)."""
 
+    def mark(self):
+        """A restore point (no copies)."""
+
+    def rewind(self, mark):
+        """Forget every step taken since ``mark``."""
+
 
 class Target(Protocol):
     """What the loop calls on a target (target.NemotronH; ARCHITECTURE.md, "The target")."""
 
     context_limit: int | None     # longest sequence the model takes, if it declares one
+    config: object                # its config.vocab_size bounds the token ids
 
     def make_cache(self) -> Cache: ...
 
@@ -60,21 +67,67 @@ class Drafter(Protocol):
     def add_context(self, taps: mx.array, start_pos: int): ...
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, key=None):
-        """``(tokens [n], logits [n, V])``: the drafts and the logits each was drawn from."""
+                top_k: int = 0, noise: mx.array | None = None):
+        """Lazy ``(tokens [n], logits [n, V])``: the drafts, drawn as
+        ``argmax(log warp(logits) + noise)`` (argmax without noise), and their logits."""
+
+    def state(self):
+        """The context (a tree holding its arrays; ``add_context`` may leave them lazy)."""
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """How tokens are chosen; the same warping applies to target and draft distributions."""
+    """How tokens are chosen; the same warping applies to target and draft distributions.
+
+    ``scheme`` (``sampling.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
+    every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
+    but reproduces only in distribution. Both are exact samplers of the warped target;
+    greedy (temperature 0) is the same in both."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    scheme: str = sampling.DEFAULT_SCHEME
+
+    def __post_init__(self):
+        sampling.check_params(self.temperature, self.top_p, self.top_k, self.scheme)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
+        """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
+        return sampling.gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise)
+
+    def warp(self, logits: mx.array) -> mx.array:
+        return sampling.warp(logits, self.temperature, self.top_p, self.top_k)
+
+
+class Noise:
+    """The Gumbel noise of one decode call: by absolute position ("reproducible"), fresh from
+    a key split per use ("rejection"), or none (greedy)."""
+
+    def __init__(self, sampler: Sampler, seed: int | None):
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, not {seed!r}")
+        self.sampler = sampler
+        self.word = sampling.seed_word(seed)
+        self.key = mx.random.key(seed % 2 ** 64)
+
+    def next_key(self):
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def at(self, start: int, n: int, vocab: int) -> mx.array | None:
+        """Noise ``[n, vocab]`` for the tokens at positions start..start+n-1."""
+        if self.sampler.greedy:
+            return None
+        if self.sampler.scheme == "reproducible":
+            return sampling.position_noise(self.word, start, n, vocab)
+        return mx.random.gumbel((n, vocab), key=self.next_key())
 
 
 @dataclass
@@ -83,7 +136,10 @@ class Stats:
 
     ``accepted`` counts accepted drafts only; ``mean_accepted_per_round`` is accepted drafts
     per round (bonus excluded) and ``mean_tokens_per_round`` the tokens each round emitted
-    (bonus included, = mean_accepted + 1 before any stop)."""
+    (bonus included, = mean_accepted + 1 before any stop). A round is one lazy graph read
+    once: ``t_draft`` is the drafter's catch-up and building the drafts' graph, ``t_verify``
+    building the verify and waiting for the read (the drafter's and the target's compute),
+    ``t_rollback`` queuing the commit."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
@@ -188,11 +244,14 @@ class Session:
             self.pending.append(taps)
         self.tokens.extend(tokens)
 
-    def flush(self):
-        if self.pending:
-            taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
-            self.drafter.add_context(taps, self.pending_start)
-            self.pending = []
+    def flush(self) -> int:
+        """Hand the queued taps to the drafter (lazily); returns how many tokens."""
+        if not self.pending:
+            return 0
+        taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
+        self.drafter.add_context(taps, self.pending_start)
+        self.pending = []
+        return taps.shape[0]
 
     def snapshot(self) -> "Snapshot":
         """The state after ``tokens``, to :meth:`restore` later (a server's prefix cache).
@@ -258,51 +317,53 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
     return logits[0, -1]
 
 
-def pick(logits: mx.array, sampler: Sampler, key) -> int:
-    """Choose one token from one row of target logits."""
-    if sampler.greedy:
-        return mx.argmax(logits).item()
-    return sampling.draw(sampling.warp(logits, sampler.temperature, sampler.top_p,
-                                       sampler.top_k), key=key).item()
+def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int) -> mx.array:
+    """Choose the token at ``position`` from one row of target logits (lazy, shape [])."""
+    return sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
 
 
-def serial_step(session: Session, token: int, sampler: Sampler, key, tap: bool) -> int:
-    """Feed one token, choose the next."""
-    logits, taps = session.target.step(mx.array([[token]]), session.cache,
+def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool):
+    """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
+    the lazy next token and the taps; the caller feeds the token once it has read it."""
+    position = len(session.tokens) + 1
+    logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
+                                       session.cache,
                                        tap_layers=session.tap_layers if tap else None)
-    session.feed([token], taps)
-    return pick(logits[0, -1], sampler, key)
+    return pick(logits[0, -1:], sampler, noise, position), taps
 
 
-def draft(session: Session, bonus: int, n: int, sampler: Sampler, key):
-    """The drafter proposes d1..dn after the bonus; returns them and their logits."""
-    tokens, logits = session.drafter.propose(bonus, n, temperature=sampler.temperature,
-                                             top_p=sampler.top_p, top_k=sampler.top_k, key=key)
-    mx.eval(tokens, logits)
-    return tokens.tolist(), logits
+def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None):
+    """The drafter proposes d1..dn after the bonus with ``noise`` [n, V]; lazy tokens and
+    logits."""
+    return session.drafter.propose(bonus, n, temperature=sampler.temperature,
+                                   top_p=sampler.top_p, top_k=sampler.top_k, noise=noise)
 
 
-def verify(session: Session, bonus: int, drafts: list[int]):
-    """One target pass over [bonus, d1..dn]: logits [n+1, V] and taps [n+1, ...]."""
-    logits, taps = session.target.verify(mx.array([[bonus] + drafts]), session.cache,
+def verify(session: Session, bonus: int, drafts: mx.array):
+    """One target pass over [bonus, d1..dn] (drafts still lazy): logits [n+1, V] and taps."""
+    tokens = mx.concatenate([mx.array([bonus], dtype=mx.int32), drafts.astype(mx.int32)])
+    logits, taps = session.target.verify(tokens[None], session.cache,
                                          tap_layers=session.tap_layers)
-    mx.eval(logits, taps)
     return logits[0], taps
 
 
-def accept(drafts: list[int], draft_logits: mx.array, target_logits: mx.array,
-           sampler: Sampler, key) -> tuple[int, int]:
-    """How many drafts survive, and the token after them (DESIGN §7 step 3)."""
-    if sampler.greedy:
-        return sampling.accept_greedy(drafts, target_logits)
-    warp = lambda x: sampling.warp(x, sampler.temperature, sampler.top_p, sampler.top_k)
-    return sampling.accept_sampled(drafts, warp(target_logits), warp(draft_logits), key)
+def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
+           sampler: Sampler, noise: mx.array | None, key) -> tuple[mx.array, mx.array]:
+    """How many drafts survive, and the token after them (DESIGN §7 step 3), both lazy.
+
+    ``noise`` is the noise the drafts were drawn with (rows 1..n) plus the row after them:
+    the coupled scheme compares each draft with the target's Gumbel-max token under the same
+    noise; rejection sampling compares the two warped distributions."""
+    if sampler.greedy or sampler.scheme == "reproducible":
+        return sampling.accept_coupled(drafts, sampler.choose(target_logits, noise))
+    return sampling.accept_rejection(drafts, sampler.warp(target_logits),
+                                     sampler.warp(draft_logits), key)
 
 
 def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):
     """Keep the first ``keep`` verified tokens (bonus, d1..d_{keep-1}); drop the rest."""
     session.target.commit(session.cache, keep)
-    mx.eval(session.cache.arrays())
+    mx.async_eval(session.cache.arrays())     # the rollback runs while Python goes on
     session.feed([bonus] + drafts[:keep - 1], taps[:keep])
 
 
@@ -325,6 +386,10 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
         raise ValueError(f"speculative must be 'auto', True or False, not {speculative!r}")
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, not {num_draft}")
+    vocab = target.config.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
     limit = target.context_limit
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt has {len(prompt)} tokens; the model's context limit is "
@@ -349,67 +414,104 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
     if control is None or control.num_draft != num_draft or control.forced != forced:
         control = session.controller = Controller(num_draft, forced=forced)
     switches_before = control.switches
-    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-
-    def next_key():
-        nonlocal key
-        key, sub = mx.random.split(key)
-        return sub
+    noise = Noise(sampler, seed)
 
     if max_tokens <= 0:
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
-    out = [pick(prefill(session, prompt, tap=tap), sampler, next_key())]
+    stats.generated = 0
+    out = [pick(prefill(session, prompt, tap=tap)[None], sampler, noise, len(prompt)).item()]
     stats.t_prefill = time.perf_counter() - t0
-    while True:
-        # Only the last token of a batch can end the run (a round stops at its first stop
-        # token); its finish reason is set before it is yielded, so a consumer can mark the
-        # last token's chunk as the final one.
-        for token in out[:-1]:
+    # Serial steps are pipelined (as mlx-lm's generate_step): the next step is built on the
+    # lazy token and queued before this one is read. ``ahead`` is that step (lazy token,
+    # taps, a cache mark to undo it if the token read turns out to end the run).
+    ahead = None
+    try:
+        while True:
+            # Only the last token of a batch can end the run (a round stops at its first stop
+            # token); its finish reason is set before it is yielded, so a consumer can mark
+            # the last token's chunk as the final one.
+            for token in out[:-1]:
+                stats.generated += 1
+                yield token
+            token = out[-1]
             stats.generated += 1
+            room = max_tokens - stats.generated
+            if limit is not None:
+                room = min(room, limit - len(session.tokens) - 1)
+            if token in stops:
+                stats.finish_reason = "stop"
+            elif room <= 0:
+                stats.finish_reason = "length"
             yield token
-        token = out[-1]
-        stats.generated += 1
-        room = max_tokens - stats.generated
-        if limit is not None:
-            room = min(room, limit - len(session.tokens) - 1)
-        if token in stops:
-            stats.finish_reason = "stop"
-        elif room <= 0:
-            stats.finish_reason = "length"
-        yield token
-        if stats.finish_reason is not None:
-            return
-        n = min(num_draft, room - 1)
-        if use_drafter and n >= 1 and control.speculate_next():
-            out = _round(session, token, n, sampler, next_key, stops, stats, control)
-        else:
-            t0 = time.perf_counter()
-            out = [serial_step(session, token, sampler, next_key(), tap=tap)]
-            dt = time.perf_counter() - t0
-            stats.t_serial += dt
-            stats.serial_steps += 1
-            control.observe_serial(dt)
-        stats.switches = control.switches - switches_before
-        stats.predicted_speedup = control.predicted_speedup()
-        stats.mode = "speculative" if use_drafter and control.speculating else "serial"
+            if stats.finish_reason is not None:
+                return
+            if ahead is None and _speculate(control, use_drafter, num_draft, room):
+                out = _round(session, token, min(num_draft, room - 1), sampler, noise, stops,
+                             stats, control)
+            else:
+                t0 = time.perf_counter() if ahead is None else t_read
+                if ahead is None:
+                    nxt, taps = serial_step(session, token, sampler, noise, tap)
+                    mx.async_eval(nxt)
+                else:
+                    nxt, taps, _ = ahead
+                    ahead = None
+                session.feed([token], taps)
+                # Build ahead only within a serial stretch: while speculating, a serial step is
+                # a single cost refresh, decided after it is observed.
+                if room >= 2 and not (use_drafter and control.speculating) \
+                        and not _speculate(control, use_drafter, num_draft, room - 1):
+                    mark = session.cache.mark()
+                    ahead = (*serial_step(session, nxt, sampler, noise, tap), mark)
+                    mx.async_eval(ahead[0])
+                nxt = nxt.item()
+                t_read = time.perf_counter()
+                if ahead is not None and nxt in stops:
+                    session.cache.rewind(ahead[2])   # a stop token is emitted, never fed
+                    ahead = None
+                stats.t_serial += t_read - t0
+                stats.serial_steps += 1
+                control.observe_serial(t_read - t0)
+                out = [nxt]
+            stats.switches = control.switches - switches_before
+            stats.predicted_speedup = control.predicted_speedup()
+            stats.mode = "speculative" if use_drafter and control.speculating else "serial"
+    finally:
+        if ahead is not None:      # closed early (a stop string): undo the step built ahead
+            session.cache.rewind(ahead[2])
 
 
-def _round(session, bonus, n, sampler, next_key, stops, stats, control) -> list[int]:
-    """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
+def _speculate(control, use_drafter: bool, num_draft: int, room: int) -> bool:
+    """Whether the next step (with ``room`` tokens left to generate) is a speculative round."""
+    return use_drafter and min(num_draft, room - 1) >= 1 and control.speculate_next()
+
+
+def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int]:
+    """One speculative round; returns the tokens it emits (accepted drafts + next token).
+
+    Drafts, verify and acceptance are built as one lazy graph and read back once."""
     t_start = time.perf_counter()
-    session.flush()     # context the drafter missed during serial steps (or the prompt)
+    if session.flush() > n + 1:
+        # A catch-up (the prompt, serial steps) is work per token, not per round: computed
+        # before the round's clock starts, so the controller prices rounds without it.
+        mx.eval(session.drafter.state())
     t0 = time.perf_counter()
-    drafts, draft_logits = draft(session, bonus, n, sampler, next_key())
+    # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
+    g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
+    drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])
     t1 = time.perf_counter()
     target_logits, taps = verify(session, bonus, drafts)
+    a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
+                    None if sampler.greedy else noise.next_key())
+    read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
+    a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
-    a, nxt = accept(drafts, draft_logits, target_logits, sampler, next_key())
-    out = _through_stop(drafts[:a] + [nxt], stops)
+    out = _through_stop(out, stops)
     t3 = time.perf_counter()
-    commit(session, bonus, drafts, taps, keep=len(out))
+    commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
     _count_round(stats, control, n, a, (t_start, t0, t1, t2, t3, t4))
     return out
@@ -435,6 +537,5 @@ def _count_round(stats: Stats, control: Controller, n: int, a: int, times):
     stats.t_verify += t2 - t1
     stats.t_rollback += t4 - t3
     stats.t_round += t4 - t_start
-    # The catch-up is work per token, not per round: the controller prices rounds without it.
     control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
 

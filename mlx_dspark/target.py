@@ -41,7 +41,7 @@ from .checkpoint import read_weights
 from .converter.layout import decode_float, layer_pattern
 from .integrity import check_checkpoint
 from .kernels import mamba as K
-from .quant import Weights, make_linear
+from .quant import Weights, make_linear, on_gpu
 
 SERIAL_MAX = 8
 """Longest block whose SSM recurrence runs position by position (covers N+1 <= 8 verify)."""
@@ -206,6 +206,20 @@ class TargetCache:
     def arrays(self) -> list[mx.array]:
         """Every array the cache holds (to evaluate pending rollback work)."""
         return _arrays(self)
+
+    def mark(self):
+        """A cheap restore point (offsets and references to the Mamba states, no copies)."""
+        return self.offset, [c.offset if isinstance(c, KVCache) else (c.conv, c.ssm)
+                             if isinstance(c, MambaCache) else None for c in self.layers]
+
+    def rewind(self, mark):
+        """Forget every step taken since ``mark`` (the decode loop's step built ahead)."""
+        self.offset, states = mark
+        for c, state in zip(self.layers, states):
+            if isinstance(c, KVCache):
+                c.offset = state
+            elif isinstance(c, MambaCache):
+                c.conv, c.ssm = state
 
 
 def _arrays(cache):
@@ -503,11 +517,11 @@ class NemotronH(nn.Module):
 
 
 def default_dtype():
-    """bf16 on Metal. float32 on MLX's CPU backend, where it is the faster choice (measured,
-    docs/measurements.md): the CPU nvfp4 kernels and ``gather_qmm`` are several times slower
-    with bf16 activations, ``gather_mm`` accepts only float32, and only float32 matmuls go
-    through BLAS."""
-    return mx.bfloat16 if mx.metal.is_available() else mx.float32
+    """bf16 on a GPU (any MLX GPU backend). float32 on MLX's CPU backend, where it is the
+    faster choice (measured, docs/measurements.md): the CPU nvfp4 kernels and ``gather_qmm``
+    are several times slower with bf16 activations, ``gather_mm`` accepts only float32, and
+    only float32 matmuls go through BLAS."""
+    return mx.bfloat16 if on_gpu() else mx.float32
 
 
 def _stack_experts(w: dict, n_layers: int) -> dict:

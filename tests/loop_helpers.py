@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_dspark.controller import Controller
 from mlx_dspark.speculative import decode
 
 
@@ -17,3 +18,20 @@ def top2_gap(target, tokens) -> float:
     logits = target(mx.array([tokens]))[0, -1]
     top = mx.sort(logits)[-2:].tolist()
     return top[1] - top[0]
+
+
+class FixedCosts(Controller):
+    """The real controller with the loop's wall times replaced by fixed costs (a serial step
+    costs 1, a round ``round_cost``): its decisions then depend only on what the drafter
+    accepts, never on the machine's load. Install it as ``session.controller`` (or
+    ``pair.controller``) before decoding with the same num_draft and "auto"."""
+
+    def __init__(self, num_draft: int, round_cost: float):
+        super().__init__(num_draft)
+        self.cost = round_cost
+
+    def observe_serial(self, seconds: float):
+        super().observe_serial(1.0)
+
+    def observe_round(self, seconds, num_drafted, num_tested, num_accepted):
+        super().observe_round(self.cost, num_drafted, num_tested, num_accepted)

@@ -6,6 +6,7 @@ import pytest
 
 import mlx_dspark as md
 from cli_pair import make_pair
+from loop_helpers import FixedCosts
 from mlx_dspark.speculative import Stats, decode
 from mlx_dspark.oracle_drafter import OracleDrafter
 
@@ -115,10 +116,68 @@ def test_speculative_greedy_equals_serial_greedy_on_an_nvfp4_target(pair, n):
 
 def test_a_fresh_call_starts_from_what_earlier_calls_learned(tmp_path):
     # The converted fixture drafter has random weights: the first call learns that rounds
-    # don't pay; a second one-shot call must not pay the warm-up round again.
+    # don't pay; a second one-shot call must not pay the warm-up round again. Costs are fixed
+    # (a round = 2 serial steps, so 4 accepted tokens would pay) so that the machine's load
+    # cannot decide instead of the drafter.
     target_dir, drafter_dir = make_pair(tmp_path)
     fresh = md.load(target_dir, drafter_dir)
+    fresh.controller = FixedCosts(3, round_cost=2.0)
     first = md.generate(fresh, PROMPTS[1], max_tokens=24)
     assert first.stats["rounds"] >= 1 and first.stats["mode"] == "serial"
+    assert fresh.controller.__class__ is FixedCosts       # the pair kept what it learned
     second = md.generate(fresh, PROMPTS[2], max_tokens=10)
     assert second.stats["rounds"] == 0 and second.stats["serial_steps"] == 9
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error_before_anything_runs(pair):
+    vocab = pair.target.config.vocab_size
+    for bad in (10 ** 6, vocab, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's "
+                                             fr"vocabulary \[0, {vocab}\)"):
+            md.generate(pair, [1, 2, bad], max_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.1), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"), (dict(sampling="greedy"), "sampling"), (dict(seed="7"), "seed"),
+])
+def test_sampling_nonsense_is_refused_with_one_line_naming_the_parameter(pair, kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} must") as e:
+        md.generate(pair, PROMPTS[0], max_tokens=4, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_sampling_parameters_keep_mlx_lm_meanings(pair):
+    def run(**kw):
+        return md.generate(pair, PROMPTS[1], max_tokens=12, seed=4, speculative=False, **kw)
+
+    greedy = run().tokens
+    sampled = run(temperature=1.0).tokens
+    assert sampled != greedy
+    assert run(temperature=1.0, top_p=0.0).tokens == sampled     # top_p 0 = off, as 1
+    assert run(temperature=1.0, top_p=1.0, top_k=0).tokens == sampled
+    # A tiny temperature is the greedy limit, computed stably (no inf - inf, no NaN).
+    assert run(temperature=1e-30).tokens == run(temperature=1e-45).tokens == greedy
+
+
+@pytest.mark.parametrize("sampling", ["reproducible", "rejection"])
+def test_both_sampling_schemes_are_reproducible_from_a_seed_in_one_mode(pair, sampling):
+    kw = dict(max_tokens=16, temperature=1.0, top_p=0.95, speculative=True, sampling=sampling)
+    assert md.generate(pair, PROMPTS[0], seed=3, **kw).tokens == \
+        md.generate(pair, PROMPTS[0], seed=3, **kw).tokens
+
+
+def test_a_seed_gives_the_same_text_in_every_mode_with_reproducible_sampling(pair):
+    kw = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=12, sampling="reproducible")
+    texts = {md.generate(pair, PROMPTS[0], speculative=s, num_draft=n, **kw).text
+             for s, n in ((False, 3), (True, 1), (True, 5), ("auto", 3))}
+    assert len(texts) == 1
+
+
+def test_any_integer_seed_is_accepted_modulo_two_to_the_64(pair):
+    kw = dict(max_tokens=8, temperature=1.0, speculative=False)
+    assert md.generate(pair, PROMPTS[0], seed=2 ** 64, **kw).tokens == \
+        md.generate(pair, PROMPTS[0], seed=0, **kw).tokens
+    assert len(md.generate(pair, PROMPTS[0], seed=-1, **kw).tokens) == 8

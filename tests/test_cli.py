@@ -221,7 +221,7 @@ def test_bench_json_has_the_documented_fields(pair):
                       "model", "drafter"}
     assert set(r["machine"]) == {"system", "machine", "cpu_count", "mlx", "device"}
     assert r["settings"] == {"max_tokens": 8, "num_draft": 3, "repeats": 1, "temperature": 0.0,
-                             "dtype": "float32"}
+                             "top_p": 1.0, "sampling": "rejection", "dtype": "float32"}
     assert [row["domain"] for row in r["prompts"]] == ["code", "math", "chat"]
     assert set(r["domains"]) == {"code", "math", "chat"}
     summaries = [*r["prompts"], *r["domains"].values(), r["overall"]]
@@ -401,3 +401,19 @@ def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert _read_block("") == "def f(x):\n    return x"
     assert _read_block('all on one line"""') == "all on one line"
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["--temp", "-1"], "--temp"), (["--temp", "nan"], "--temp"), (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k")])
+def test_nonsense_sampling_options_are_one_line_before_loading(capsys, argv, name):
+    # /nonexistent is never reached: the options are checked before the model is loaded
+    err = one_line_error(capsys, ["generate", "--model", "/nonexistent", "-p", "x", *argv])
+    assert err.startswith(f"mlx-dspark generate: error: {name} must")
+
+
+def test_a_seed_reproduces_generate_output_with_and_without_speculation(pair):
+    args = ["generate", *pair, "-p", "def f(x):", "--max-tokens", "16", "--temp", "0.9",
+            "--seed", "5", "--sampling", "reproducible"]
+    outs = {run(*args, "--speculative", mode).stdout for mode in ("on", "off", "auto")}
+    assert len(outs) == 1

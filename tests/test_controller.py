@@ -1,13 +1,14 @@
 """The break-even controller: its policy on simulated costs and acceptance (exact, no clock),
-then "auto" on the real loop with a useless drafter and with the oracle drafter."""
+then "auto" on the real loop with a useless drafter and with the oracle drafter (fixed costs
+in place of wall times, so the load on the machine cannot change the outcome)."""
 
 import mlx.core as mx
 import numpy as np
 
-from loop_helpers import serial_greedy
+from loop_helpers import FixedCosts, serial_greedy
 from mlx_dspark import controller as C
 from mlx_dspark.oracle_drafter import OracleDrafter
-from mlx_dspark.speculative import Stats, decode
+from mlx_dspark.speculative import Session, Stats, decode
 from mlx_dspark.toy import random_drafter, tiny_target
 
 
@@ -89,39 +90,41 @@ def test_forced_modes_ignore_the_estimates():
 PROMPT = [3, 14, 15, 92, 65]
 
 
+def auto(target, drafter, max_tokens, num_draft, round_cost, stats):
+    session = Session(target, drafter)
+    session.controller = FixedCosts(num_draft, round_cost)
+    return list(decode(target, drafter, PROMPT, max_tokens=max_tokens, num_draft=num_draft,
+                       stats=stats, session=session))
+
+
 def test_auto_with_a_random_weight_drafter_ends_serial():
     target = tiny_target(seed=2)
     stats = Stats()
-    out = list(decode(target, random_drafter(target), PROMPT, max_tokens=120, stats=stats))
+    out = auto(target, random_drafter(target), 120, 3, 2.0, stats)
     assert out == serial_greedy(target, PROMPT, 120)
-    # (a few initial rounds, then rare probes; bounds loose: wall times on a shared CPU are noisy)
-    assert stats.mode == "serial" and stats.rounds <= 0.1 * stats.generated
+    # the warm-up round, then probes every 16, 32, 64 serial steps
+    assert stats.mode == "serial" and stats.switches == 1 and stats.rounds <= 4
 
 
 def test_auto_with_an_oracle_drafter_speculates_and_follows_a_content_change(monkeypatch):
     target = tiny_target(seed=2)
     ref = serial_greedy(target, PROMPT, 200)
     good = Stats()
-    list(decode(target, OracleDrafter(PROMPT + ref, 97, 0.95), PROMPT, max_tokens=200,
-                stats=good))
-    # Most tokens come from rounds. Loose on purpose: on a shared 2-core CPU the wall times the
-    # controller reads swing several-fold within a run (the exact policy is tested above).
-    assert good.serial_steps < 0.5 * good.generated
+    auto(target, OracleDrafter(PROMPT + ref, 97, 0.95), 200, 3, 2.0, good)
+    # Rounds (2 steps, ~3.7 tokens) pay: only the cost refreshes are serial.
+    assert good.switches == 0 and good.serial_steps <= good.rounds / C.REFRESH + 2
     # Useless for the first 30 tokens, then perfect: auto must turn speculation back on.
-    # Drafting costs about one target step (a 1-token forward); with N = 7 a useless round
-    # clearly loses (1 token for several steps) and a perfect one clearly wins (8 tokens).
-    # Probes may take 10% of serial time here (2% by default) so that they come often enough
-    # for this short run.
+    # With N = 7 and a round costing 3 steps, a useless round loses (1 token) and a perfect
+    # one wins (8 tokens). Probes may take 10% of serial time here (2% by default) so that
+    # they come often enough for this short run.
     monkeypatch.setattr(C, "PROBE_BUDGET", 0.1)
     change = len(PROMPT) + 30
-    drafter = OracleDrafter(PROMPT + ref, 97, lambda pos: 0.0 if pos < change else 1.0,
-                            draft_work=lambda: mx.eval(target(mx.array([[7]]))))
+    drafter = OracleDrafter(PROMPT + ref, 97, lambda pos: 0.0 if pos < change else 1.0)
     stats = Stats()
-    out = list(decode(target, drafter, PROMPT, max_tokens=200, num_draft=7, stats=stats))
+    out = auto(target, drafter, 200, 7, 3.0, stats)
     assert out == ref
-    # off during the useless stretch, back on after the change (what happens next depends on
-    # wall times on a shared CPU; the policy itself is tested exactly on simulated costs above)
-    assert stats.switches >= 2
+    # off during the useless stretch, back on after the change, and on at the end
+    assert stats.switches >= 2 and stats.mode == "speculative"
 
 
 def test_when_even_perfect_rounds_cannot_pay_probes_come_only_every_probe_max_steps():

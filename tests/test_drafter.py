@@ -73,26 +73,26 @@ def test_sampled_tokens_come_from_the_returned_logits(drafter, ref):
     feed(drafter, 9)
     seen = set()
     for seed in range(4):
-        tokens, z = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40,
-                                    key=mx.random.key(seed))
+        noise = mx.random.gumbel((5, tiny.VOCAB), key=mx.random.key(seed))
+        tokens, z = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40, noise=noise)
         # each z_j is the Markov correction for the token actually drawn before it
         _, want_z = ref.propose(TAPS[:9], 3, 5, tokens=np.array(tokens))
         assert rel_err(z, want_z) < FP32_TOL
         probs = np.array(warp(z, 0.9, 0.95, 40))
         assert (probs[np.arange(5), np.array(tokens)] > 0).all()
-        again, _ = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40,
-                                   key=mx.random.key(seed))
-        assert np.array_equal(np.array(again), np.array(tokens))  # same key, same draw
+        again, _ = drafter.propose(3, 5, temperature=0.9, top_p=0.95, top_k=40, noise=noise)
+        assert np.array_equal(np.array(again), np.array(tokens))  # same noise, same draw
         seen.add(tuple(np.array(tokens).tolist()))
     assert len(seen) > 1
 
 
 def test_first_draft_frequencies_follow_the_returned_distribution(drafter):
-    """600 sampled proposals: d_1's histogram against warp(z_1) (chi-square, fixed keys)."""
+    """600 sampled proposals: d_1's histogram against warp(z_1) (chi-square, fixed noise)."""
     feed(drafter, 7)
     probs, counts = None, np.zeros(tiny.VOCAB)
     for seed in range(600):
-        tokens, z = drafter.propose(9, 1, temperature=1.5, top_k=12, key=mx.random.key(seed))
+        noise = mx.random.gumbel((1, tiny.VOCAB), key=mx.random.key(seed))
+        tokens, z = drafter.propose(9, 1, temperature=1.5, top_k=12, noise=noise)
         counts[int(tokens[0])] += 1
         p = np.array(warp(z, 1.5, 1.0, 12))[0]
         assert probs is None or np.array_equal(p, probs)  # z_1 does not depend on the draw

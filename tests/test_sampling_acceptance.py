@@ -1,11 +1,16 @@
-"""Speculative sampling is lossless: the tokens it emits are distributed exactly like sampling
-the (warped) target one token at a time.
+"""Speculative sampling is lossless in both schemes: the tokens it emits are distributed exactly
+like sampling the (warped) target one token at a time.
 
 The target and the drafter are Markov chains on a 5-token vocabulary (logits depend on the
 previous token only), so the exact distribution of the first two emitted tokens is a product
 of two warped rows, computed here in float64 NumPy independently of ``sampling.warp``. The loop's
-own ``accept`` step runs thousands of rounds; a chi-square test compares the counts. The same
-test with a deliberately broken residual step must fail (the test has teeth)."""
+own noise, draw and ``accept`` steps run thousands of rounds; a chi-square test compares the
+counts. The same test with a deliberately broken scheme must fail (the test has teeth).
+
+For the coupled ("reproducible") scheme the acceptance itself has a closed form, checked against
+the loop's noise: with shared Gumbel noise both argmaxes pick token i with probability
+``1 / sum_j max(p_j / p_i, q_j / q_i)`` (integrate the Gumbel density of g_i against the
+probability that every other g_j stays below both thresholds)."""
 
 import math
 
@@ -14,13 +19,14 @@ import numpy as np
 import pytest
 
 from mlx_dspark import sampling
-from mlx_dspark.speculative import Sampler, accept
+from mlx_dspark.speculative import Noise, Sampler, accept
 
 V, N, DRAWS = 5, 2, 2000
 rng = np.random.default_rng(0)
 TARGET = rng.normal(size=(V, V)) * 1.5                  # logits of token | previous token
 DRAFT = TARGET + rng.normal(size=(V, V)) * 2.0           # a mediocre drafter of it
-SETTINGS = [Sampler(1.0), Sampler(1.3, top_p=0.9, top_k=4)]   # plain, and both filters
+SETTINGS = [Sampler(1.0, scheme=scheme) for scheme in ("rejection", "reproducible")] + \
+    [Sampler(1.3, top_p=0.9, top_k=4, scheme=scheme) for scheme in ("rejection", "reproducible")]
 
 
 def warp64(logits, s: Sampler):
@@ -50,23 +56,34 @@ def chi2_pvalue(counts, expected):
 
 
 def first_two_tokens(s: Sampler, draws: int, seed: int = 0):
-    """Counts of the first two tokens emitted by speculative rounds starting after token 0."""
+    """Counts of the first two tokens emitted by speculative rounds starting after token 0.
+
+    Rejection: the drafter's chain draws with its own fresh noise (NumPy), as the loop's
+    drafter does. Reproducible: the drafter's chain draws with the loop's positional noise of
+    each draw's seed, and the target's tokens use the same rows."""
     q_rows = np.stack([warp64(DRAFT[i], s) for i in range(V)])
     draft_rng = np.random.default_rng(seed)
-    key = mx.random.key(seed)
     counts = np.zeros((V, V))
-    for _ in range(draws):
+    for draw in range(draws):
+        noise = Noise(s, seed * draws + draw)
         out, prev = [], 0
         while len(out) < 2:
+            position = len(out) + 1                    # token 0 sits at position 0
+            g = noise.at(position, N + 1, V)
             drafts, ctx = [], [prev]
-            for _ in range(N):                  # the drafter's own chain: d_j ~ q(. | d_{j-1})
-                drafts.append(int(draft_rng.choice(V, p=q_rows[ctx[-1]])))
+            for j in range(N):                         # the drafter's own chain
+                if s.scheme == "rejection":
+                    drafts.append(int(draft_rng.choice(V, p=q_rows[ctx[-1]])))
+                else:
+                    z = mx.array(DRAFT[ctx[-1]][None], dtype=mx.float32)
+                    drafts.append(s.choose(z, g[j:j + 1]).item())
                 ctx.append(drafts[-1])
-            key, sub = mx.random.split(key)
-            a, nxt = accept(drafts, mx.array(DRAFT[ctx[:-1]], dtype=mx.float32),
-                            mx.array(TARGET[ctx], dtype=mx.float32), s, sub)
-            out += drafts[:a] + [nxt]
-            prev = nxt
+            a, nxt = accept(mx.array(drafts, dtype=mx.int32),
+                            mx.array(DRAFT[ctx[:-1]], dtype=mx.float32),
+                            mx.array(TARGET[ctx], dtype=mx.float32), s, g, noise.next_key())
+            a = a.item()
+            out += drafts[:a] + [nxt.item()]
+            prev = out[-1]
         counts[out[0], out[1]] += 1
     return counts
 
@@ -84,9 +101,10 @@ def check(s: Sampler, draws=DRAWS):
     return chi2_pvalue(counts[support], expected[support])
 
 
-@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: f"T{s.temperature}-p{s.top_p}-k{s.top_k}")
+@pytest.mark.parametrize("s", SETTINGS,
+                         ids=lambda s: f"{s.scheme}-T{s.temperature}-p{s.top_p}-k{s.top_k}")
 def test_speculative_sampling_reproduces_the_warped_target_distribution(s):
-    assert check(s) > 1e-3
+    assert check(s, draws=DRAWS if s.scheme == "rejection" else 1200) > 1e-3
 
 
 def test_the_chi_square_test_fails_when_the_residual_step_is_broken(monkeypatch):
@@ -97,11 +115,62 @@ def test_the_chi_square_test_fails_when_the_residual_step_is_broken(monkeypatch)
     assert check(SETTINGS[0], draws=600) < 1e-6
 
 
-def test_greedy_acceptance_keeps_drafts_while_they_match_the_target_argmax():
-    logits = mx.array(np.eye(4)[[2, 1, 3, 0]] * 5.0, dtype=mx.float32)   # argmax 2, 1, 3, 0
-    assert sampling.accept_greedy([2, 1, 3], logits) == (3, 0)            # all + bonus
-    assert sampling.accept_greedy([2, 0, 3], logits) == (1, 1)            # correction at 2
-    assert sampling.accept_greedy([1, 1, 3], logits) == (0, 2)
+def test_the_chi_square_test_fails_when_noise_follows_the_round_not_the_position(monkeypatch):
+    # Noise indexed by the position inside the round (every round starts again at row 0)
+    # reuses the first token's noise for the token after a rejection: the two are coupled.
+    at = Noise.at
+    monkeypatch.setattr(Noise, "at", lambda self, start, n, vocab: at(self, 1, n, vocab))
+    assert check(SETTINGS[1], draws=1200) < 1e-6
+
+
+def test_coupled_acceptance_keeps_drafts_while_they_match_the_target_tokens():
+    target = mx.array([2, 1, 3, 0])
+    for drafts, want in (([2, 1, 3], (3, 0)), ([2, 0, 3], (1, 1)), ([1, 1, 3], (0, 2))):
+        a, token = sampling.accept_coupled(mx.array(drafts), target)
+        assert (a.item(), token.item()) == want
+
+
+def coupled_match64(p, q):
+    """P(argmax(log p + g) == argmax(log q + g)) for shared Gumbel g, closed form."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return sum(1.0 / np.maximum(p / p[i], q / q[i]).sum() for i in range(len(p)) if
+                   p[i] > 0 and q[i] > 0)
+
+
+def coupled_match_by_integration(p, q):
+    """The same probability by quadrature over g_i (float64), without the closed form."""
+    g = np.linspace(-8, 40, 400001)
+    f = np.exp(-g - np.exp(-g))                                  # Gumbel density
+    total = 0.0
+    for i in np.flatnonzero((p > 0) & (q > 0)):
+        log_cdf = np.zeros_like(g)
+        for j in range(len(p)):
+            if j != i:                                         # g_j below both thresholds
+                t = g + min(np.log(p[i] / p[j]) if p[j] > 0 else np.inf,
+                            np.log(q[i] / q[j]) if q[j] > 0 else np.inf)
+                log_cdf += -np.exp(-t)
+        total += np.trapezoid(f * np.exp(log_cdf), g)
+    return total
+
+
+def test_coupled_acceptance_matches_its_closed_form():
+    s = Sampler(1.0, top_p=0.95, scheme="reproducible")
+    p, q = warp64(TARGET[0], s), warp64(DRAFT[0], s)
+    exact = coupled_match64(p, q)
+    assert abs(exact - coupled_match_by_integration(p, q)) < 1e-6
+    tv = 0.5 * np.abs(p - q).sum()
+    assert exact >= (1 - tv) / (1 + tv)                 # Daliri et al.'s lower bound
+    m = 20000
+    g = Noise(s, 3).at(0, 2 * m, V)
+    target = s.choose(mx.array(np.tile(TARGET[0], (m, 1)), dtype=mx.float32), g[:m])
+    draft = mx.array(np.tile(DRAFT[0], (m, 1)), dtype=mx.float32)
+    sigma = math.sqrt(exact * (1 - exact) / m)
+    shared = (target == s.choose(draft, g[:m])).mean().item()
+    assert abs(shared - exact) < 4.5 * sigma
+    # Unshared noise (the drafter draws at other positions) accepts only sum_i p_i q_i.
+    unshared = (target == s.choose(draft, g[m:])).mean().item()
+    assert abs(unshared - float(p @ q)) < 4.5 * sigma
+    assert abs(unshared - exact) > 10 * sigma
 
 
 def test_residual_is_the_normalized_positive_part_of_p_minus_q():

@@ -102,7 +102,7 @@ def test_converted_nvfp4_and_fp8_checkpoint_matches_mlx_lm_on_dequantized_weight
 def test_bf16_compute_stays_close_to_fp32(twins):
     ours32, ref = twins
     from mlx_dspark.target import NemotronH, default_dtype
-    assert default_dtype() == (mx.bfloat16 if mx.metal.is_available() else mx.float32)
+    assert default_dtype() == (mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32)
     ours16 = NemotronH(TargetConfig.from_dict(tiny_config()),
                        hf_weights_from_mlx_lm(ref, stacked=True), mx.bfloat16)
     toks = _tokens(20)
@@ -271,3 +271,16 @@ def test_a_corrupt_safetensors_file_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="model.safetensors"):
         load_target(str(tmp_path))
+
+
+@pytest.mark.parametrize("device,dtype", [(mx.gpu, mx.bfloat16), (mx.cpu, mx.float32)])
+def test_dtype_choices_follow_the_default_device_not_metal(monkeypatch, device, dtype):
+    # Forced through mx.default_device (MLX refuses set_default_device(gpu) without a GPU
+    # backend): any GPU backend gets bf16 compute and bf16 expert matmuls, the CPU its
+    # measured float32 choices.
+    from mlx_dspark.quant import expert_compute_dtype
+    from mlx_dspark.target import default_dtype
+    monkeypatch.setattr(mx.metal, "is_available", lambda: device == mx.cpu)   # must not matter
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(device, 0))
+    assert default_dtype() == dtype
+    assert expert_compute_dtype(mx.bfloat16) == dtype
