@@ -66,7 +66,8 @@ class Result:
         return self.stats["finish_reason"]
 
 
-def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
+def load(model=None, drafter=None, dtype=None, verify: str = "auto",
+         memory_check: bool = True) -> Pair:
     """Load a converted target (and drafter).
 
     ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
@@ -77,10 +78,13 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
     ``verify``: how much of both checkpoints is checked against their conversion receipts
     before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
-    receipt (docs/integrity.md)."""
+    receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
+    memory.InsufficientMemory (a ValueError) when the device cannot give it
+    (docs/real-size.md)."""
     from . import model_cache
     from .drafter import load_drafter
-    from .target import load_target
+    from .memory import check_fits
+    from .target import default_dtype, load_target
 
     if model is None:
         model = DEMO / "target"
@@ -92,6 +96,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto") -> Pair:
             raise FileNotFoundError(f"{name}: no such {what} directory")
     model = model_cache.resolve(model)
     drafter = model_cache.resolve(drafter) if drafter is not None else None
+    if memory_check:
+        check_fits(model, drafter, dtype or default_dtype())
     target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)

@@ -69,6 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "before loading: auto (default: all of a small checkpoint, sizes and "
                         "sampled blocks of a large one), full, fast, or none (needed for a "
                         "directory without a receipt)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="load even when the pair looks too large for the device's memory")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -172,7 +174,8 @@ def load_pair(args: argparse.Namespace):
         import mlx.core as mx
         dtype = getattr(mx, args.dtype)
     try:
-        pair = api.load(args.model, args.drafter, dtype=dtype, verify=args.verify)
+        pair = api.load(args.model, args.drafter, dtype=dtype, verify=args.verify,
+                        memory_check=not args.no_memory_check)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
     if args.speculative == "on" and pair.drafter is None:

@@ -312,7 +312,8 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
         session.reset()
     new = prompt[len(session.tokens):]
     logits, taps = session.target.step(mx.array([new]), session.cache,
-                                       tap_layers=session.tap_layers if tap else None)
+                                       tap_layers=session.tap_layers if tap else None,
+                                       last_only=True)
     session.feed(new, taps)
     return logits[0, -1]
 

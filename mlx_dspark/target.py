@@ -339,6 +339,13 @@ class MoE(nn.Module):
     within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
     normalized, times ``routed_scaling_factor``; plus one shared expert."""
 
+    sort_min_tokens = 2 if mx.metal.is_available() else 11
+    """Fewest tokens whose (token, expert) pairs are grouped by expert. On Metal every
+    multi-token step (a verify) groups, so a shared expert is read once; on the CPU grouped
+    verifies showed no consistent gain (docs/real-size.md), so it keeps mlx-lm's threshold
+    (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
+    (tests/test_moe_grouping.py)."""
+
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
         self.cfg = cfg
@@ -371,8 +378,9 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, 1, 1, shape[-1])
         idx_f = idx.reshape(-1, idx.shape[-1])
-        # Long inputs: sort the (token, expert) pairs so each expert's rows are contiguous.
-        sort = idx_f.size >= 64
+        # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
+        # and gather_qmm can read a shared expert once (a verify's tokens often share them).
+        sort = idx_f.shape[0] >= self.sort_min_tokens
         if sort:
             flat = idx_f.flatten()
             order = mx.argsort(flat)
@@ -419,7 +427,8 @@ class NemotronH(nn.Module):
         self.config = cfg
         self.dtype = dtype = dtype or default_dtype()
         w = Weights(w, dtype, nvfp4)
-        self.embeddings = w.cast("backbone.embeddings.weight")
+        # Kept in its stored dtype: decoding reads one row per token, upcast in embed().
+        self.embeddings = w["backbone.embeddings.weight"]
         self.layers = [Block(c, cfg, w, i) for i, c in enumerate(cfg.hybrid_override_pattern)]
         self.norm_f = w.cast("backbone.norm_f.weight")
         if "lm_head.weight" in w:
@@ -431,13 +440,13 @@ class NemotronH(nn.Module):
 
     # --- pieces the drafter borrows
     def embed(self, tokens):
-        return self.embeddings[tokens]
+        return self.embeddings[tokens].astype(self.dtype)
 
     def lm_head(self, h):
         return self.head(h)
 
     # --- forward passes
-    def _forward(self, tokens, cache, tap_layers, record):
+    def _forward(self, tokens, cache, tap_layers, record, last_only=False):
         if tokens.ndim == 1:
             tokens = tokens[None]
         bad = [i for i in tap_layers or () if not 0 <= i < len(self.layers)]
@@ -450,6 +459,8 @@ class NemotronH(nn.Module):
             x = layer(x, None if cache is None else cache[i], record)
             if i in want:
                 taps[i] = x
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(_rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
         if cache is not None:
             cache.offset += tokens.shape[1]
@@ -471,19 +482,22 @@ class NemotronH(nn.Module):
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
 
-    def step(self, tokens, cache: TargetCache, tap_layers=None):
-        """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``."""
+    def step(self, tokens, cache: TargetCache, tap_layers=None, last_only=False):
+        """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``, or
+        logits ``[1,1,V]`` for the last position alone with ``last_only`` (a prompt: the
+        head then runs on one row, so memory does not grow with the prompt's length)."""
         if cache.pending is not None:
             raise RuntimeError("commit() the last verify before stepping again")
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.shape[1] <= PREFILL_STEP:
-            return self._forward(tokens, cache, tap_layers, False)
+            return self._forward(tokens, cache, tap_layers, False, last_only)
         pieces = []
         for s in range(0, tokens.shape[1], PREFILL_STEP):
-            pieces.append(self._forward(tokens[:, s:s + PREFILL_STEP], cache, tap_layers, False))
+            piece = tokens[:, s:s + PREFILL_STEP]
+            pieces.append(self._forward(piece, cache, tap_layers, False, last_only))
             mx.eval(pieces[-1])                  # free this piece's scores before the next
-        logits = mx.concatenate([p[0] for p in pieces], axis=1)
+        logits = pieces[-1][0] if last_only else mx.concatenate([p[0] for p in pieces], axis=1)
         taps = mx.concatenate([p[1] for p in pieces], axis=-2) if tap_layers else None
         return logits, taps
 
@@ -576,5 +590,16 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
         model = NemotronH(cfg, w, dtype or default_dtype(), nvfp4)
     except KeyError as e:
         raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
-    mx.eval(model.parameters())
+    del w
+    _materialize(model)
     return model
+
+
+def _materialize(model: NemotronH) -> None:
+    """Evaluate the parameters a layer at a time. The model holds the only references to the
+    loaded tensors, so each original (e.g. a BF16 weight upcast to fp32, FP8 bytes decoded)
+    is freed as soon as its converted copy exists: the peak is the loaded model plus about
+    one layer, never two copies of the weights."""
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
