@@ -4,11 +4,12 @@ Public names are imported lazily so that ``mlx-dspark convert`` starts without l
 
 _PUBLIC = {
     "load": "api", "generate": "api", "stream_generate": "api",
+    "Pair": "api", "Result": "api", "Chunk": "api",
     "load_target": "target", "load_drafter": "drafter",
 }
 
-__version__ = "0.1.0"
-__all__ = list(_PUBLIC)
+__version__ = "0.1.0"       # pyproject.toml's version (tests/test_habits.py keeps them equal)
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name):
@@ -16,3 +17,7 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
     raise AttributeError(f"module 'mlx_dspark' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

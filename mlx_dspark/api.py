@@ -5,6 +5,7 @@ non-streaming call returns."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -33,17 +34,25 @@ class Pair:
         other (a chat) and only the new tokens are prefilled. One live session per pair:
         a session owns the drafter's context while it is used. The pair keeps what the
         session's controller learns."""
-        return Session(self.target, self.drafter, speculative, home=self)
+        return Session(self.target, self.drafter, _speculative(speculative), home=self)
 
 
 @dataclass
 class Chunk:
-    """One streamed piece. ``token`` is the generated token id (None on the final chunk,
-    which flushes any held-back text and carries the final stats)."""
+    """One streamed piece: the text that became printable with ``token``.
+
+    As in mlx-lm, every chunk carries a generated token and the last one carries the finish
+    reason ("stop" or "length"; None before). When a stop token ends the run, the last chunk's
+    ``token`` is that stop token: it is not part of ``Result.tokens`` and its text is only what
+    the detokenizer still held back."""
 
     text: str
-    token: int | None
+    token: int
     stats: dict
+
+    @property
+    def finish_reason(self):
+        return self.stats["finish_reason"]
 
 
 @dataclass
@@ -59,16 +68,20 @@ class Result:
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
          memory_check: bool = True) -> Pair:
-    """Load a converted target (and drafter) from local directories.
+    """Load a converted target (and drafter).
 
-    ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
-    then ``drafter=None`` means the demo drafter. With an explicit ``model``, ``drafter=None``
-    means no drafter (serial decoding). ``verify``: how much of both checkpoints is checked
-    against their conversion receipts before loading: ``"auto"`` (default: every byte of a
-    small checkpoint, sizes and sampled blocks of a large one), ``"full"``, ``"fast"``, or
-    ``"none"`` for directories without a receipt (docs/integrity.md). ``memory_check``: first
-    estimate what the pair needs and raise memory.InsufficientMemory (a ValueError) when the
-    device cannot give it (docs/real-size.md)."""
+    ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
+    of ModelOpt exports, converted on first use into the cache (model_cache.py). A local
+    directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
+    demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
+    drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).
+    ``verify``: how much of both checkpoints is checked against their conversion receipts
+    before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
+    blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
+    receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
+    memory.InsufficientMemory (a ValueError) when the device cannot give it
+    (docs/real-size.md)."""
+    from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits
     from .target import default_dtype, load_target
@@ -76,12 +89,13 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     if model is None:
         model = DEMO / "target"
         drafter = DEMO / "drafter" if drafter is None else drafter
-    model = Path(model)
-    if not model.is_dir():
-        raise FileNotFoundError(f"{model}: no such model directory")
-    if drafter is not None and not Path(drafter).is_dir():
-        raise FileNotFoundError(f"{drafter}: no such drafter directory")
     check_level(verify)
+    for name, what in ((model, "model"), (drafter, "drafter")):
+        if name is not None and not model_cache.is_repo_id(name) \
+                and not Path(name).expanduser().is_dir():
+            raise FileNotFoundError(f"{name}: no such {what} directory")
+    model = model_cache.resolve(model)
+    drafter = model_cache.resolve(drafter) if drafter is not None else None
     if memory_check:
         check_fits(model, drafter, dtype or default_dtype())
     target = load_target(model, dtype=dtype, verify=verify)
@@ -97,83 +111,108 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
                     session: Session | None = None,
                     chat_template_kwargs: dict | None = None,
                     sampling: str = "rejection") -> Iterator[Chunk]:
-    """Yield one chunk per generated token, then a final chunk (token None).
+    """Yield one chunk per generated token; the last one carries the finish reason.
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
     list of chat messages, or a list of token ids used verbatim; ``chat_template_kwargs``
-    (such as ``{"enable_thinking": False}``) go to the chat template. ``stop``: extra stop token
-    ids (ints) and/or stop strings; the tokenizer's eos ids always stop. A stop token is not
-    part of the output; a stop string ends the text just before it (the token that completed it
-    is kept in ``tokens``).
+    (such as ``{"enable_thinking": False}``) go to the chat template. ``speculative``: "auto",
+    True/"on" or False/"off". ``stop``: extra stop token ids (ints) and/or stop strings; the
+    tokenizer's eos ids always stop. A stop token is not part of the output; a stop string
+    ends the text just before it (the token that completed it is kept in ``tokens``).
 
     ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
     gives the same tokens whether or not and however the drafter speculates); both sample
     exactly the warped target (docs/sampling.md). Greedy decoding is the same in both."""
+    speculative = _speculative(speculative)
     sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
     prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
-    stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
-    stop_strings = [s for s in stop if isinstance(s, str)]
-    stop_tokens = {s for s in stop if not isinstance(s, str)}
-    tok = pair.tokenizer
-    if tok is not None:
-        stop_tokens |= set(tok.eos_token_ids)
-    elif stop_strings:
-        raise ValueError("stop strings need a tokenizer")
-    if any(not s for s in stop_strings):
-        raise ValueError("empty stop string")
+    stop_strings, stop_tokens = _stops(pair, stop)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
 
     stats = Stats()
+    tok = pair.tokenizer
     detok = tok.detokenizer if tok is not None else None
     if detok is not None:
         detok.reset()
     shown = 0        # characters of the detokenized text already yielded
-    text_end = None  # where a stop string cut the text
     if session is None:
         session = pair.session(speculative)
     tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
                     sampler=sampler, num_draft=num_draft,
                     speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
                     session=session)
-    for token in tokens:
-        if token in stop_tokens:
-            stats.finish_reason = "stop"
-            break
-        if detok is None:
-            yield Chunk("", token, stats.as_dict())
-            continue
-        detok.add_token(token)
-        text = detok.text
-        cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
-        if cut is not None:
-            text_end = cut
-            stats.finish_reason = "stop"
-            yield Chunk(text[shown:cut], token, stats.as_dict())
-            shown = cut
-            break
-        safe = len(text) - _held_back(text, stop_strings)
-        yield Chunk(text[shown:safe], token, stats.as_dict())
-        shown = max(shown, safe)
-    tokens.close()
-    tail = ""
-    if detok is not None and text_end is None:
-        detok.finalize()
-        text = detok.text
-        cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
-        if cut is not None:
-            stats.finish_reason = "stop"
-        tail = text[shown:cut]
-    yield Chunk(tail, None, stats.as_dict())
+    try:
+        for token in tokens:
+            last = stats.finish_reason is not None     # decode names it before the last token
+            if detok is None:
+                yield Chunk("", token, _with_memory(stats))
+                continue
+            if token not in stop_tokens:
+                detok.add_token(token)
+            if last:
+                detok.finalize()
+            text = detok.text
+            cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
+            if cut is not None:
+                stats.finish_reason = "stop"
+                yield Chunk(text[shown:cut], token, _with_memory(stats))
+                return
+            end = len(text) if last else len(text) - _held_back(text, stop_strings)
+            yield Chunk(text[shown:end], token, _with_memory(stats))
+            shown = max(shown, end)
+    finally:
+        tokens.close()
 
 
 def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
     """Generate and return the whole result (same arguments as ``stream_generate``)."""
+    _, stop_tokens = _stops(pair, kwargs.get("stop"))
     text, tokens, stats = [], [], {}
     for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
         text.append(chunk.text)
-        if chunk.token is not None:
+        if not (chunk.finish_reason == "stop" and chunk.token in stop_tokens):
             tokens.append(chunk.token)
         stats = chunk.stats
     return Result("".join(text), tokens, stats)
+
+
+_SPECULATIVE = {"auto": "auto", "on": True, "off": False, True: True, False: False}
+
+
+def _speculative(value):
+    """The CLI's words ("on", "off", "auto") and the booleans, as the loop takes them."""
+    if isinstance(value, (str, bool)) and value in _SPECULATIVE:
+        return _SPECULATIVE[value]
+    raise ValueError(f"speculative must be 'auto', 'on', 'off', True or False, not {value!r}")
+
+
+def _stops(pair: Pair, stop) -> tuple[list[str], set[int]]:
+    """Stop strings and stop token ids (the tokenizer's eos ids always among them)."""
+    stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+    strings = [s for s in stop if isinstance(s, str)]
+    ids = {s for s in stop if not isinstance(s, str)}
+    if pair.tokenizer is not None:
+        ids |= set(pair.tokenizer.eos_token_ids)
+    elif strings:
+        raise ValueError("stop strings need a tokenizer")
+    if any(not s for s in strings):
+        raise ValueError("empty stop string")
+    return strings, ids
+
+
+def _with_memory(stats: Stats) -> dict:
+    """The stats dict plus peak memory so far: MLX's allocator (weights, caches,
+    activations) and the process's peak resident set, both in GB (10^9 bytes, as mlx-lm)."""
+    import mlx.core as mx
+    return dict(stats.as_dict(), peak_memory_gb=mx.get_peak_memory() / 1e9,
+                peak_rss_gb=_peak_rss_bytes() / 1e9)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024     # macOS: bytes; Linux: KiB
 
 
 def _prompt_ids(pair: Pair, prompt, chat: bool, options: dict | None) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from . import api
-from .cli_support import (SEEDS, SPECULATIVE, CatchInterrupt, CommandError, format_acceptance,
+from .cli_support import (SEEDS, CatchInterrupt, CommandError, format_acceptance,
                           generation_kwargs, utf8_text)
 from .tokenizer import _encode, template_options
 
@@ -78,10 +78,10 @@ def status_line(stats: dict) -> str:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        self.session = pair.session(SPECULATIVE[args.speculative])
+        self.session = pair.session(args.speculative)
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
-                                         args.system)
+                                         args.system_prompt)
         self.turns: list[dict] = []   # final stats of each answer since the last /reset
 
     def run(self) -> int:
@@ -142,6 +142,7 @@ class Chat:
         if self.args.seed is not None:     # a different, reproducible draw every turn
             kwargs["seed"] = (self.args.seed + len(self.turns)) % SEEDS
         pieces, tokens, stats = [], [], None
+        stop_tokens = set(self.pair.tokenizer.eos_token_ids)
         stream = api.stream_generate(self.pair, ids, session=self.session, **kwargs)
         with CatchInterrupt() as interrupt:
             try:
@@ -149,8 +150,8 @@ class Chat:
                     _write(chunk.text)
                     pieces.append(chunk.text)
                     stats = chunk.stats
-                    if chunk.token is None:
-                        break
+                    if chunk.finish_reason == "stop" and chunk.token in stop_tokens:
+                        break       # the end-of-turn token: the template writes its own
                     tokens.append(chunk.token)
                     # Stop once every token the session has fed is shown: a round may have
                     # committed a few tokens ahead of the stream, and they are already paid for.
@@ -196,6 +197,8 @@ class Chat:
             f"rounds: {rounds} speculative, {sum(s['serial_steps'] for s in t)} serial, "
             f"mean accepted per round {sum(accepted) / rounds if rounds else 0.0:.2f}",
             f"acceptance by position: {by_pos}",
+            f"peak memory: {t[-1]['peak_memory_gb']:.3f} GB (MLX), process peak RSS "
+            f"{t[-1]['peak_rss_gb']:.3f} GB",
             f"last answer: {status_line(t[-1])}",
         ])
 

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from mlx_dspark import commands
+from mlx_dspark import __version__, commands
 from mlx_dspark.cli_support import CommandError
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.integrity import CheckpointError
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="mlx-dspark",
         description="Nemotron-H with NVIDIA's DSpark speculative drafter on MLX")
+    parser.add_argument("--version", action="version", version=f"mlx-dspark {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)

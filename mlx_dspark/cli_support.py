@@ -51,16 +51,18 @@ def utf8_text(text: str, what: str) -> str:
 
 
 DTYPES = ("bfloat16", "float16", "float32")
-SPECULATIVE = {"auto": "auto", "on": True, "off": False}
+SPECULATIVE = ("auto", "on", "off")       # the API takes the same words
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR",
-                   help="converted target directory (default: the embedded demo pair, "
-                        "a small demonstration model, not Nemotron)")
-    p.add_argument("--drafter", metavar="DIR",
-                   help="converted DSpark drafter directory (default: the demo drafter "
-                        "without --model, no drafter with --model)")
+    p.add_argument("--model", metavar="DIR|REPO",
+                   help="converted target directory, or the Hugging Face repo id of a ModelOpt "
+                        "export, converted on first use into $MLX_DSPARK_CACHE "
+                        "(~/.cache/mlx-dspark) and reused after (default: the embedded demo "
+                        "pair, a small demonstration model, not Nemotron)")
+    p.add_argument("--drafter", metavar="DIR|REPO",
+                   help="converted DSpark drafter directory or repo id (default: the demo "
+                        "drafter without --model, no drafter with --model)")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
     p.add_argument("--verify", choices=VERIFY_LEVELS, default="auto",
                    help="how much of the checkpoints to check against their conversion receipts "
@@ -72,7 +74,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=_positive, default=max_tokens, metavar="N",
+    p.add_argument("-m", "--max-tokens", type=_positive, default=max_tokens, metavar="N",
                    help=f"most tokens to generate (default {max_tokens})")
     p.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0)")
@@ -85,10 +87,33 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
-    p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
+    p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
                    help="turn the chat template's reasoning on or off, where it has the switch")
+
+
+def add_system_prompt_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system-prompt", "--system", dest="system_prompt", metavar="TEXT",
+                   help="a system message before the prompt (through the chat template)")
+
+
+def add_stats_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stats", action="store_true",
+                   help="print a summary to standard error: mode, tokens/s, mean accepted per "
+                        "round, acceptance by position, peak memory")
+    p.add_argument("--verbose", dest="stats", nargs="?", const=True, default=False,
+                   type=_boolean, metavar="BOOL",
+                   help="the same as --stats; mlx-lm's spelling (--verbose False: no summary)")
+
+
+def _boolean(s: str) -> bool:
+    """An argparse type: mlx-lm's str2bool words."""
+    if s.lower() in ("true", "t", "yes", "1"):
+        return True
+    if s.lower() in ("false", "f", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, not {s!r}")
 
 
 def add_scheme_argument(p: argparse.ArgumentParser) -> None:
@@ -165,14 +190,14 @@ def load_pair(args: argparse.Namespace):
 def require_chat_template(pair, args: argparse.Namespace) -> None:
     if not getattr(pair.tokenizer, "has_chat_template", False):
         raise CommandError(f"{args.model or 'the demo model'}: the tokenizer has no chat "
-                           f"template; use `mlx-dspark generate` without --chat for plain "
-                           f"completion")
+                           f"template; use `mlx-dspark generate` without --chat, "
+                           f"--system-prompt or --reasoning for plain completion")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
-                speculative=SPECULATIVE[args.speculative], sampling=args.sampling)
+                speculative=args.speculative, sampling=args.sampling)
 
 
 def _one_line(e: Exception) -> str:
@@ -195,4 +220,6 @@ def format_stats(stats: dict, requested: str) -> list[str]:
         f"mean accepted per round: {stats['mean_accepted_per_round']:.2f}",
         f"acceptance by position: {format_acceptance(stats)}",
         f"finish: {stats['finish_reason']}",
+        f"peak memory: {stats['peak_memory_gb']:.3f} GB (MLX), process peak RSS "
+        f"{stats['peak_rss_gb']:.3f} GB",
     ]

@@ -13,8 +13,9 @@ import sys
 
 from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
                           _positive, add_model_arguments, add_sampling_arguments,
-                          add_scheme_argument, format_stats, generation_kwargs, load_pair,
-                          require_chat_template, utf8_text)
+                          add_scheme_argument, add_stats_argument, add_system_prompt_argument,
+                          format_stats, generation_kwargs, load_pair, require_chat_template,
+                          utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,11 +29,15 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--prompt", "-p", metavar="TEXT",
                    help="the prompt; without it (or with '-') it is read from standard input")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_system_prompt_argument(p)
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--ignore-chat-template", action="store_true",
+                          help="complete the prompt as given; by default it goes through the "
+                               "model's chat template when the tokenizer has one (as mlx-lm)")
+    template.add_argument("--chat", action="store_true",
+                          help="require the chat template (an error when the model has none)")
     add_sampling_arguments(p, max_tokens=256)
-    p.add_argument("--stats", action="store_true",
-                   help="print a summary to standard error: mode, tokens/s, mean accepted per "
-                        "round, acceptance by position")
+    add_stats_argument(p)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -46,15 +51,22 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = utf8_text(prompt, "--prompt")
     if not prompt:
         raise CommandError("empty prompt")
-    if args.reasoning and not args.chat:
-        raise CommandError("--reasoning applies to the chat template: add --chat")
+    if args.system_prompt is not None:
+        utf8_text(args.system_prompt, "--system-prompt")
+    for flag, value in (("--reasoning", args.reasoning), ("--system-prompt", args.system_prompt)):
+        if value and args.ignore_chat_template:
+            raise CommandError(f"{flag} applies to the chat template: drop --ignore-chat-template")
     pair = load_pair(args)
     from . import api
     from .tokenizer import encode_chat, template_options
 
-    if args.chat:
+    templated = getattr(pair.tokenizer, "has_chat_template", False) \
+        and not args.ignore_chat_template
+    if args.chat or (not templated and (args.reasoning or args.system_prompt)):
         require_chat_template(pair, args)
-        prompt = encode_chat(pair.tokenizer, [{"role": "user", "content": prompt}],
+    if templated:
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        prompt = encode_chat(pair.tokenizer, system + [{"role": "user", "content": prompt}],
                              template_options(pair.tokenizer, args.reasoning))[0]
     stats = None
     stream = api.stream_generate(pair, prompt, **generation_kwargs(args))
@@ -96,12 +108,12 @@ CHAT_HELP = "chat with the model in the terminal (/help inside lists the command
 def chat_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p, max_tokens=512)
-    p.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    add_system_prompt_argument(p)
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    if args.system is not None:
-        utf8_text(args.system, "--system")
+    if args.system_prompt is not None:
+        utf8_text(args.system_prompt, "--system-prompt")
     pair = load_pair(args)
     from .chat import Chat
 
@@ -118,7 +130,7 @@ BENCH_HELP = "serial vs speculative decoding on built-in code, math and chat pro
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--max-tokens", type=_at_least(4), default=64, metavar="N",
+    p.add_argument("-m", "--max-tokens", type=_at_least(4), default=64, metavar="N",
                    help="tokens generated per prompt and mode, at least 4 so that both modes "
                         "have steps to time (default 64)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
@@ -166,7 +178,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                         "earlier turns); 0 turns prefix reuse off (default 1024)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
-    p.add_argument("--speculative", choices=tuple(SPECULATIVE), default="auto",
+    p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
 
 
@@ -175,7 +187,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .server import Engine, serve
 
-    decode = dict(num_draft=args.num_draft, speculative=SPECULATIVE[args.speculative])
+    decode = dict(num_draft=args.num_draft, speculative=args.speculative)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20, decode)
     engine.start()      # loads the pair on the engine's thread; CommandError comes back here
     serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,

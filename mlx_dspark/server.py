@@ -305,7 +305,7 @@ class Engine:
                 job.emit("chunk", chunk)
                 if i == 0:
                     self._remember()          # the prompt's state, before any answer token
-                if job.cancelled.is_set() and chunk.token is not None:
+                if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1
                     break
             else:
@@ -326,8 +326,9 @@ class Engine:
 class Reply:
     """Accumulates the chunks of one generation into OpenAI response objects."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, stop_tokens=()):
         self.kind, self.model = kind, model
+        self.stop_tokens = set(stop_tokens)     # a final stop token is not an answer token
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.text: list[str] = []
@@ -336,7 +337,7 @@ class Reply:
 
     def add(self, chunk) -> str:
         self.text.append(chunk.text)
-        self.tokens += chunk.token is not None
+        self.tokens += not (chunk.finish_reason == "stop" and chunk.token in self.stop_tokens)
         self.stats = chunk.stats
         return chunk.text
 
@@ -393,7 +394,7 @@ async def _events(job: Job):
         while True:
             kind, item = await job.out.get()
             yield kind, item
-            if kind == "error" or item.token is None:
+            if kind == "error" or item.finish_reason is not None:
                 return
     finally:
         job.cancelled.set()
@@ -451,7 +452,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
         params = await read(request, kind)
         job = Job(params.prompt, params.options, asyncio.get_running_loop())
         engine.submit(job)
-        reply = Reply(kind, model_id)
+        reply = Reply(kind, model_id, tokenizer.eos_token_ids)
         if not params.stream:
             async for what, item in _events(job):
                 if what == "error":
@@ -467,7 +468,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Sta
                                           "param": None, "code": None}})
                     break
                 text = reply.add(item)
-                if item.token is None:
+                if item.finish_reason is not None:      # the last token's chunk
                     if text or first:
                         yield _sse(reply.piece(text, first))
                     end = reply.piece("", finish=reply.finish_reason)

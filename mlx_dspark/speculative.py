@@ -377,6 +377,7 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
            stop_tokens=(), stats: Stats | None = None,
            session: Session | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` generated tokens; a stop token is yielded and ends the run.
+    ``stats.finish_reason`` is set just before the last token is yielded.
 
     ``speculative``: "auto" (break-even controller), True (always), False (never; the drafter
     is not touched). ``stats`` (optional) is filled in as the run goes."""
@@ -421,24 +422,32 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
         return
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
-    token = pick(prefill(session, prompt, tap=tap)[None], sampler, noise, len(prompt)).item()
+    stats.generated = 0
+    out = [pick(prefill(session, prompt, tap=tap)[None], sampler, noise, len(prompt)).item()]
     stats.t_prefill = time.perf_counter() - t0
-    stats.generated = 1
-    yield token
     # Serial steps are pipelined (as mlx-lm's generate_step): the next step is built on the
     # lazy token and queued before this one is read. ``ahead`` is that step (lazy token,
     # taps, a cache mark to undo it if the token read turns out to end the run).
     ahead = None
     try:
         while True:
-            if token in stops:
-                stats.finish_reason = "stop"
-                return
+            # Only the last token of a batch can end the run (a round stops at its first stop
+            # token); its finish reason is set before it is yielded, so a consumer can mark
+            # the last token's chunk as the final one.
+            for token in out[:-1]:
+                stats.generated += 1
+                yield token
+            token = out[-1]
+            stats.generated += 1
             room = max_tokens - stats.generated
             if limit is not None:
                 room = min(room, limit - len(session.tokens) - 1)
-            if room <= 0:
+            if token in stops:
+                stats.finish_reason = "stop"
+            elif room <= 0:
                 stats.finish_reason = "length"
+            yield token
+            if stats.finish_reason is not None:
                 return
             if ahead is None and _speculate(control, use_drafter, num_draft, room):
                 out = _round(session, token, min(num_draft, room - 1), sampler, noise, stops,
@@ -471,9 +480,6 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
             stats.switches = control.switches - switches_before
             stats.predicted_speedup = control.predicted_speedup()
             stats.mode = "speculative" if use_drafter and control.speculating else "serial"
-            for token in out:
-                stats.generated += 1
-                yield token
     finally:
         if ahead is not None:      # closed early (a stop string): undo the step built ahead
             session.cache.rewind(ahead[2])

@@ -19,10 +19,13 @@ def pair(tmp_path_factory):
     return md.load(target_dir, drafter_dir)
 
 
-def collect(stream):
+def collect(stream, stop_tokens=()):
+    """Text, output tokens (a final stop token left out, as generate() does) and the chunks."""
     chunks = list(stream)
-    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None], \
-        chunks
+    tokens = [c.token for c in chunks]
+    if chunks and chunks[-1].finish_reason == "stop" and tokens[-1] in stop_tokens:
+        tokens.pop()
+    return "".join(c.text for c in chunks), tokens, chunks
 
 
 def test_generate_returns_text_tokens_and_the_documented_stats(pair):
@@ -45,9 +48,13 @@ def test_generate_returns_text_tokens_and_the_documented_stats(pair):
 def test_streaming_yields_exactly_the_text_generate_returns(pair, kwargs):
     for prompt in PROMPTS:
         res = md.generate(pair, prompt, max_tokens=20, **kwargs)
-        text, tokens, chunks = collect(md.stream_generate(pair, prompt, max_tokens=20, **kwargs))
+        text, tokens, chunks = collect(md.stream_generate(pair, prompt, max_tokens=20, **kwargs),
+                                       pair.tokenizer.eos_token_ids)
         assert (text, tokens) == (res.text, res.tokens)
-        assert chunks[-1].token is None and chunks[-1].stats["finish_reason"] is not None
+        # mlx-lm's convention: every chunk carries a token, the last one the finish reason
+        assert all(isinstance(c.token, int) for c in chunks)
+        assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == res.finish_reason is not None
 
 
 def test_a_stop_string_ends_the_text_just_before_it_streaming_or_not(pair):

@@ -93,6 +93,8 @@ def test_chat_second_turn_prefills_only_the_new_message_and_reset_prefills_all(p
     child.expect(r"prompt tokens: (\d+) prefilled, (\d+) reused")
     assert int(child.match.group(1)) == first["prefilled"] + second["prefilled"]
     assert int(child.match.group(2)) == second["reused"]
+    child.expect(r"peak memory: ([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB")
+    assert float(child.match.group(1)) > 0 and float(child.match.group(2)) > 0
     child.expect(">>> ")
 
     child.sendline("/reset")
@@ -156,6 +158,7 @@ STATS_LINES = {
     "mean accepted per round": r"([\d.]+)",
     "acceptance by position": r"((?:[\d.]+|-)(?: (?:[\d.]+|-))*)",
     "finish": r"(length|stop)",
+    "peak memory": r"([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB",
 }
 
 
@@ -294,7 +297,8 @@ def test_no_model_means_the_embedded_demo_pair(capsys, monkeypatch, pair_dirs):
     target, drafter = pair_dirs
     monkeypatch.setattr(api, "DEMO", target.parent)    # holds target/ and drafter/, as demo/ does
     assert cli.main(["generate", "-p", "def f(x):", "--max-tokens", "6"]) == 0
-    want = md.generate(md.load(target, drafter), "def f(x):", max_tokens=6)
+    # the fixture tokenizer has a chat template, which generate applies by default
+    want = md.generate(md.load(target, drafter), "def f(x):", max_tokens=6, chat=True)
     assert capsys.readouterr().out == want.text + "\n"
 
 
