@@ -116,10 +116,13 @@ class Layer(nn.Module):
                                              cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, w, f"{p}.self_attn", cfg.windows[i])
         self.mlp = MLP(w, f"{p}.mlp")
+        self._ffn = mx.compile(self._residual_mlp)    # a block's shape is fixed for an n
+
+    def _residual_mlp(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def __call__(self, x, pos0, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), pos0, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._ffn(x + self.self_attn(self.input_layernorm(x), pos0, ctx_k, ctx_v, mask))
 
 
 class MarkovHead(nn.Module):
@@ -150,6 +153,7 @@ class Drafter(nn.Module):
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
         self.markov_head = MarkovHead(w)
+        self._draws = mx.compile(self._markov_draws)
         if not share_embedding:
             self.embed_tokens = nn.Module()
             self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use
@@ -251,8 +255,13 @@ class Drafter(nn.Module):
                              f"tokens (block_size {self.config.block_size})")
         u = self.block_logits(bonus, n)
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
+        return self._draws(u, prev, noise, temperature, top_p, top_k)
+
+    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k):
+        """The Markov loop over ``u [n, V]`` (:meth:`block_logits`): each row corrected by
+        the token drawn before it. Compiled as ``_draws`` (its shapes are fixed for an n)."""
         tokens, logits = [], []
-        for j in range(n):
+        for j in range(u.shape[0]):
             z = u[j:j + 1] + self.markov_head(prev)
             g = None if noise is None else noise[j:j + 1]
             prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
