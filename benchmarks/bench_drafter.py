@@ -11,7 +11,7 @@ sizes: Mamba 64x64 heads, state 128, 8 groups; 128 experts of 1856, top 6, share
 and lm_head). Each block's decode-step time is measured alone, and the full 52-layer step is
 estimated as the pattern's count of each kind times its time, plus final norm and lm_head:
 
-    c(N) = t_draft(N) / t_target_step      (DESIGN §8)
+    c(N) = t_draft(N) / t_target_step      (docs/design.md §8)
 
 Random weights make the timings real and the tokens meaningless. Medians of a few repeats
 after a warm-up, ``mx.eval`` before every clock read. Peak memory is a few GB.
@@ -31,7 +31,7 @@ from mlx_dspark.drafter import Drafter
 from mlx_dspark.drafter_config import parse_config
 from mlx_dspark.target import NemotronH, TargetConfig
 
-PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # DESIGN §5
+PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # docs/design.md §5
 H, V = 2688, 131072
 
 TARGET = dict(

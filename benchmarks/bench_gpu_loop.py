@@ -143,7 +143,7 @@ def mlx_lm_step_primitives(model) -> int:
 
 class RoundProfile:
     """Forced speculation with the demo pair: per-round wall time and blocking host reads,
-    and the overhead beyond the round's parts timed one by one (cost model, DESIGN §8)."""
+    and the overhead beyond the round's parts timed one by one (cost model, docs/design.md §8)."""
 
     def __init__(self, pkg, tokens):
         self.spec = importlib.import_module(pkg.__name__ + ".speculative")

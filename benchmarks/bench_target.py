@@ -12,7 +12,7 @@
 
 Timings: warm-up first, ``mx.eval`` before reading the clock, medians. On Linux the CPU BLAS
 matters: run once as is and once with
-``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3`` (DESIGN §10).
+``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3`` (docs/design.md §10).
 """
 
 from __future__ import annotations

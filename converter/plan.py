@@ -24,7 +24,7 @@ from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, re
 
 TARGET, DRAFTER = "target", "drafter"
 DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
-# Weight-only runtime: activation and KV-cache calibration scales have no use (DESIGN §4.1).
+# Weight-only runtime: activation and KV-cache calibration scales have no use (docs/design.md §4).
 DROPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 # AWQ / SVDQuant extras: the weights are only correct together with them.
 _EXTRAS = re.compile(r"(\.pre_quant_scale|lora_[ab]|\.awq_\w+)$|svdquant", re.IGNORECASE)

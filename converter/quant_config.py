@@ -1,4 +1,4 @@
-"""ModelOpt quantization configs and the config.json quirks of real exports (DESIGN §4.1)."""
+"""ModelOpt quantization configs and the config.json quirks of real exports (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Source pins and conversion receipts (DESIGN §4.3).
+"""Source pins and conversion receipts (docs/design.md §4).
 
 Pins (the repository's top-level MERERUN_CONVERSION.json, shipped in the package as
 pins.json) name each NVIDIA source repo, its revision and whatever file hashes someone has

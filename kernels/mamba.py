@@ -5,7 +5,7 @@ Shapes: ``b`` batch, ``t`` positions, ``h`` heads, ``p`` head dim, ``g`` groups,
 ``x (b,t,h,p)``, ``dt (b,t,h)`` (already ``softplus(dt + dt_bias)`` and clipped),
 ``A (h,)`` (negative), ``B, C (b,t,g,n)``, ``D (h,)``, ``state (b,h,p,n)``.
 
-Exact rollback (DESIGN §5.2) rests on one property: :func:`ssm_step` is the only code that
+Exact rollback (docs/design.md §5.2) rests on one property: :func:`ssm_step` is the only code that
 advances the state one position, and both decoding steps, verify and the replay after a
 partial acceptance go through it with identical inputs, so a replayed state is bit-identical
 to the state a serial run would have reached.

@@ -1,4 +1,4 @@
-"""The public API (DESIGN §3): ``load``, ``generate``, ``stream_generate``.
+"""The public API (ARCHITECTURE.md): ``load``, ``generate``, ``stream_generate``.
 
 ``generate`` is ``stream_generate`` collected, so streaming yields exactly the text the
 non-streaming call returns."""

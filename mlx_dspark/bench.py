@@ -1,9 +1,9 @@
-"""Serial vs speculative decoding measured in the same run (DESIGN §10).
+"""Serial vs speculative decoding measured in the same run (docs/design.md §10).
 
 For each repeat, every prompt is decoded serially, speculatively and with "auto", interleaved,
 so that load drifts on the machine hit all three alike. A warm-up pass comes first; the reported
 rates are medians over repeats. From the speculative runs' measured parts the cost model of
-DESIGN §8 predicts the speedup,
+docs/design.md §8 predicts the speedup,
 
     predicted = decode_tokens * t_step / (rounds * (t_draft + t_verify + t_rollback)
                                           + serial_steps * t_step)

@@ -1,6 +1,6 @@
 """``mlx-dspark bench``: serial vs speculative decoding, in the same run, on the same prompts.
 
-DESIGN §10. The measuring is :mod:`mlx_dspark.bench` (modes interleaved per prompt, warm-up
+docs/design.md §10. The measuring is :mod:`mlx_dspark.bench` (modes interleaved per prompt, warm-up
 first, medians over repeats, the cost model's predicted speedup and the efficiency); this
 module adds the built-in prompt set (code, math, open chat), the summaries per prompt, per
 domain and overall, a check that the three modes' outputs are identical (greedy, or sampled with

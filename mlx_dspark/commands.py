@@ -1,5 +1,5 @@
 """The runtime subcommands of ``mlx-dspark``: ``generate``, ``chat``, ``bench`` and ``serve``
-(DESIGN §3).
+(ARCHITECTURE.md).
 
 This module only defines arguments and handlers; MLX, the models and the tokenizer are
 imported inside the handlers, so ``mlx-dspark convert`` and ``--help`` stay quick. Problems a

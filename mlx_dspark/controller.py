@@ -1,4 +1,4 @@
-"""The break-even controller (DESIGN §8): speculate only while it is expected to win.
+"""The break-even controller (docs/design.md §8): speculate only while it is expected to win.
 
 A speculative round with N drafts emits ``E = 1 + sum_{j<=N} prod_{i<=j} alpha_i`` tokens on
 average and costs ``t_round``; a serial step emits one token and costs ``t_serial``. The

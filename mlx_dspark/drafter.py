@@ -1,6 +1,6 @@
 """NVIDIA's DSpark drafter (``Qwen3DSparkModel``) over the converted checkpoint layout.
 
-One drafting round (DESIGN §6), with ``P`` = number of context tokens:
+One drafting round (docs/design.md §6), with ``P`` = number of context tokens:
 
 1. Context injection: each committed token ``p`` contributes ``c_p = RMSNorm(fc(taps_p))``
    and, per layer, ``K = RoPE_p(k_norm(W_k c_p))`` and ``V = W_v c_p`` to that layer's cache.

@@ -4,7 +4,7 @@ The target and the drafter must warp logits *identically* (temperature, then top
 top-p): both acceptance schemes compare the two warped distributions.
 
 Every draw is a Gumbel-max draw, ``argmax(log p + g)`` with standard Gumbel noise ``g``; greedy
-decoding is the case ``g = 0``. Two schemes choose the noise (DESIGN §7, docs/sampling.md):
+decoding is the case ``g = 0``. Two schemes choose the noise (docs/design.md §7, docs/sampling.md):
 
 * ``reproducible``: ``g`` of the token at absolute position ``t`` is fixed by (seed, t), and
   the drafter proposes with the *same* noise. A draft is accepted while it equals the target's
@@ -106,7 +106,7 @@ def position_noise(word: int, start: int, n: int, vocab: int) -> mx.array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Acceptance (DESIGN §7 step 3). Both functions take the drafts ``[N]`` and return lazy
+# Acceptance (docs/design.md §7 step 3). Both functions take the drafts ``[N]`` and return lazy
 # ``(a, token)``: the number of drafts accepted (0..N) and the token that follows them, so a
 # round can verify lazy drafts and read everything back once.
 

@@ -1,4 +1,4 @@
-"""The speculative decoding loop (DESIGN §7), one short function per step.
+"""The speculative decoding loop (docs/design.md §7), one short function per step.
 
     prefill  -> the prompt through the target (taps queued for the drafter), first token
     per round:
@@ -57,7 +57,7 @@ class Target(Protocol):
 
 
 class Drafter(Protocol):
-    """What the loop calls on a drafter (drafter.Drafter; DESIGN §3)."""
+    """What the loop calls on a drafter (drafter.Drafter; ARCHITECTURE.md)."""
 
     target_layer_ids: list[int]   # the target layers whose outputs feed add_context
     max_draft: int                # most tokens one propose() drafts
@@ -350,7 +350,7 @@ def verify(session: Session, bonus: int, drafts: mx.array):
 
 def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
            sampler: Sampler, noise: mx.array | None, key) -> tuple[mx.array, mx.array]:
-    """How many drafts survive, and the token after them (DESIGN §7 step 3), both lazy.
+    """How many drafts survive, and the token after them (docs/design.md §7 step 3), both lazy.
 
     ``noise`` is the noise the drafts were drawn with (rows 1..n) plus the row after them:
     the coupled scheme compares each draft with the target's Gumbel-max token under the same

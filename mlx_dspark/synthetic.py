@@ -273,7 +273,7 @@ def synth_target(path, algo="W4A16_NVFP4", *, shards=1, seed=0, edit=None) -> di
 
 
 def synth_drafter(path, *, seed=1, prefix="", edit=None) -> dict:
-    """A tiny NVIDIA-layout DSpark drafter (DESIGN §6 names), W4A16_NVFP4, configured through
+    """A tiny NVIDIA-layout DSpark drafter (names: design.md §6), W4A16_NVFP4, configured through
     config.json's quantization_config only (no hf_quant_config.json)."""
     rng = np.random.default_rng(seed)
     taps, inter, rank, heads = 2, 128, 32, 4
@@ -318,7 +318,7 @@ def synth_drafter(path, *, seed=1, prefix="", edit=None) -> dict:
 
 # ---------------------------------------------------------------- Lightning at real size
 #
-# NVIDIA Nemotron 3.5 Lightning 30B-A3B's shapes (DESIGN §5; MoE sizes from the public
+# NVIDIA Nemotron 3.5 Lightning 30B-A3B's shapes (docs/design.md §5; MoE sizes from the public
 # 30B-A3B config: moe_intermediate_size 1856, shared expert 3712) in the quantization layout
 # of its W4A16_NVFP4 export: NVFP4 routed and shared experts and Mamba projections, FP8 on
 # some Mamba projections, BF16 attention, conv1d, embeddings and lm_head, F32 router. Which

@@ -1,7 +1,7 @@
 """Nemotron-H, the hybrid target: Mamba-2 (``M``), MoE (``E``), attention (``*``) and dense
 MLP (``-``) blocks, each ``x + mixer(RMSNorm(x))``, then ``norm_f`` and an untied ``lm_head``.
 
-Beyond a plain forward it does what speculative decoding needs (DESIGN §5):
+Beyond a plain forward it does what speculative decoding needs (docs/design.md §5):
 
 * ``step`` advances a cache and can return *taps*: the residual stream after chosen layers,
   before ``norm_f``, concatenated in order ``[T, n*hidden]``.

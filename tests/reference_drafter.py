@@ -1,4 +1,4 @@
-"""Float64 NumPy reference of the DSpark drafter (DESIGN §6), for tests only.
+"""Float64 NumPy reference of the DSpark drafter (docs/design.md §6), for tests only.
 
 Written from the design text, not from mlx_dspark/drafter.py: it reads the checkpoint bytes
 with its own safetensors parser and NVFP4/E4M3/BF16 decoders, keeps *all* context (the

@@ -1,4 +1,4 @@
-"""Determinism, receipts (DESIGN §4.3), source pins, and resolving SRC as a Hugging Face repo
+"""Determinism, receipts (docs/design.md §4), source pins, and resolving SRC as a Hugging Face repo
 id (through huggingface_hub's real offline cache path: tests never touch the network)."""
 
 import hashlib

@@ -17,7 +17,7 @@ from mlx_dspark.checkpoint import weight_gate
 from mlx_dspark.drafter import load_drafter
 from mlx_dspark.drafter_config import DrafterError, parse_config
 
-# The fields of NVIDIA's released config.json (DESIGN §6), tensors aside.
+# The fields of NVIDIA's released config.json (docs/design.md §6), tensors aside.
 NVIDIA = {
     "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": 2688,
     "intermediate_size": 6144, "num_hidden_layers": 6, "num_attention_heads": 32,

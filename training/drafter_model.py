@@ -1,4 +1,4 @@
-"""The DSpark drafter in PyTorch, for training (DESIGN §6). Parameter names are NVIDIA's tensor
+"""The DSpark drafter in PyTorch, for training (design.md §6). Parameter names are NVIDIA's tensor
 names (no `model.` prefix), so the state dict is the checkpoint.
 
 Math, per block anchored at position P (the bonus token's position; the context is the target

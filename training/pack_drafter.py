@@ -1,4 +1,4 @@
-"""Step 5b: write the trained drafter as NVIDIA's DSpark checkpoint (DESIGN §6).
+"""Step 5b: write the trained drafter as NVIDIA's DSpark checkpoint (docs/design.md §6).
 
 NVIDIA's drafter is not a transformers model, so `export_hf_checkpoint` does not apply; the
 packing uses ModelOpt's own export pieces in the order its HF exporter runs them:
@@ -31,7 +31,7 @@ DEMO_LABEL = ("mlx-dspark demonstration drafter trained on the Python standard l
 
 
 def nvidia_config(c: DrafterConfig, target_cfg: dict) -> dict:
-    """config.json with the fields of NVIDIA's release (DESIGN §6), at demo sizes."""
+    """config.json with the fields of NVIDIA's release (docs/design.md §6), at demo sizes."""
     dflash = {
         "causal": True,
         "use_swa": True,

@@ -52,8 +52,8 @@ CANDIDATES = {
 # Chosen from training/measure_ratio.py (README): the smallest shape that still holds all three
 # block kinds with room to learn; its 4-token/1-token forward ratio is the lowest measured.
 TARGET = "h192-L6"
-# Drafter taps: 0-based target layers whose pre-final-norm residual the drafter reads (DESIGN
-# §5.1): an early, a middle and the last layer, like NVIDIA's spread over the depth.
+# Drafter taps: 0-based target layers whose pre-final-norm residual the drafter reads
+# (docs/design.md §5.1): an early, a middle and the last layer, like NVIDIA's spread over the depth.
 TARGET_LAYER_IDS = [1, 3, 5]
 
 

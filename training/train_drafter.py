@@ -9,7 +9,7 @@ layer's output), so it needs no second pass.
 Training data: half of every batch is corpus windows, half windows whose tail is the target's
 own greedy continuation of a corpus prefix (generated_windows).
 
-Objective (DSpark, DESIGN §11): for each anchor P (bonus = true token at P, context = taps of
+Objective (DSpark, design.md §11): for each anchor P (bonus = true token at P, context = taps of
 positions < P) and block position k = 1..N_TRAIN:
     w_k * (0.1 * CE(z_k, x_{P+k}) + 0.9 * TV(softmax(z_k), softmax(target logits at P+k-1)))
 with w_k = exp(-(k-1)/4), z_k including the Markov bias (prev = the true token at P+k-1).
