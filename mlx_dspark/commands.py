@@ -9,6 +9,7 @@ prompt that does not fit) raise :class:`CommandError`, which the CLI prints as o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
@@ -190,6 +191,18 @@ def run_serve(args: argparse.Namespace) -> int:
     decode = dict(num_draft=args.num_draft, speculative=args.speculative)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20, decode)
     engine.start()      # loads the pair on the engine's thread; CommandError comes back here
-    serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
-          args.port, args.api_key)
-    return 0
+    code = 0
+    try:
+        serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
+              args.port, args.api_key)
+    except KeyboardInterrupt:
+        print("mlx-dspark serve: interrupted", file=sys.stderr)
+        code = 130
+    finally:
+        engine.stop()
+    # Everything is stopped and flushed. The interpreter's own exit can still abort here
+    # ("terminate called without an active exception": native threads torn down after a
+    # server run), which would turn a clean Ctrl-C into SIGABRT, so leave without finalizers.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -248,11 +248,13 @@ class Engine:
                 job.cancelled.set()
                 job.emit("error", reason)
 
-    def stop(self, timeout: float = 10.0):
-        """Cancel what is left and end the thread."""
-        self.cancel_all("the server is shutting down")
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    def stop(self):
+        """Cancel what is left and end the thread (the generation in flight stops at its next
+        token)."""
+        if self._thread.is_alive():
+            self.cancel_all("the server is shutting down")
+            self._jobs.put(None)
+            self._thread.join()
 
     @property
     def waiting(self) -> int:
