@@ -1,7 +1,9 @@
 """Step 7: acceptance of the shipped (converted) pair in the MLX runtime, on training/prompts.json.
 
 Greedy and sampled (temperature 1.0, top-p 0.95) speculation forced on, N = 3; pooled over all
-prompts: mean tokens per round (bonus included) and conditional acceptance by position.
+prompts: mean tokens per round (bonus included) and conditional acceptance by position. Then how
+much the target repeats itself: the share of distinct 4-grams in 128 greedy tokens on each of
+`mlx-dspark bench`'s code prompts (windows of real stdlib code score about 0.9).
 Speed comparisons are `mlx-dspark bench`'s job; this only counts. Runtime venv:
 
     /work/venv/bin/python training/measure_pair.py [--max-tokens 64]
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 import mlx_dspark as md
+from mlx_dspark.bench_cli import PROMPTS as BENCH_PROMPTS
 
 PROMPTS = json.loads((Path(__file__).parent / "prompts.json").read_text())
 
@@ -30,6 +33,18 @@ def pooled(pair, prompts, max_tokens, **sampling):
             "acceptance_by_position": [round(a / t, 3) if t else None for a, t in zip(accepted, tested)]}
 
 
+def distinct_4grams(tokens) -> float:
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams)
+
+
+def repetition(pair, prompts, max_tokens=128):
+    shares = [distinct_4grams(md.generate(pair, p, max_tokens=max_tokens, speculative=False).tokens)
+              for p in prompts]
+    return {"mean": round(sum(shares) / len(shares), 3), "worst": round(min(shares), 3),
+            "each": [round(x, 3) for x in shares]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -40,6 +55,8 @@ def main():
         for group in ("code", "text"):
             report[f"{name}/{group}"] = pooled(pair, PROMPTS[group], args.max_tokens, **sampling)
             print(f"{name}/{group}", json.dumps(report[f"{name}/{group}"]), flush=True)
+    report["distinct_4grams/bench_code"] = repetition(pair, BENCH_PROMPTS["code"])
+    print("distinct_4grams/bench_code", json.dumps(report["distinct_4grams/bench_code"]))
 
 
 if __name__ == "__main__":
