@@ -26,14 +26,11 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
+import mlx.core as mx
+from mlx_lm.generate import generate_step
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
-
-from bench_loop import DEMO_SHAPE  # noqa: E402
-from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config  # noqa: E402
+from bench_loop import DEMO_SHAPE
+from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 PROMPT = [(37 * i) % 4000 + 11 for i in range(40)]
 

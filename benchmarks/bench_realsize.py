@@ -14,7 +14,6 @@ its own. Timings: warm-up first, ``mx.eval`` before reading the clock, medians.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import resource
@@ -23,11 +22,13 @@ import subprocess
 import sys
 import time
 
+from mlx_dspark.integrity import checkpoint_files
+
 GIB = 1 << 30
 
 
 def weight_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    return sum(os.path.getsize(f) for f in checkpoint_files(path))
 
 
 def peak_rss() -> int:
@@ -126,7 +127,7 @@ def part_decode(a):
         for grouped, least in (("grouped", 2), ("ungrouped", 1 << 30)):
             MoE.sort_min_tokens = least
             row[grouped] = _median_time(verify(n), a.reps) / t1
-        MoE.sort_min_tokens = 2
+        MoE.sort_min_tokens = None
     res["peak_rss"] = peak_rss()
     return res
 

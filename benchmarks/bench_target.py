@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark import target as T
-from mlx_dspark.quant import NVFP4_POLICY
+from mlx_dspark.quant import NVFP4_POLICY, on_gpu
 from mlx_dspark.target import NemotronH, TargetConfig
 
 # hidden 2688, 64x64 Mamba heads, state 128, 128 experts top-6 (Nemotron 3 30B-A3B widths)
@@ -204,7 +204,7 @@ def part_a(args):
     print("|---|---|---|---|")
     # mlx-lm runs in bf16 where it can; MLX's CPU gather_mm (its dense MoE) is fp32-only,
     # so on the CPU its bf16-weight model has to compute in fp32.
-    dense_dtype = mx.bfloat16 if mx.metal.is_available() else mx.float32
+    dense_dtype = mx.bfloat16 if on_gpu() else mx.float32
     prompt = mx.random.randint(0, MID["vocab_size"], (1, 16))
     for fmt in ("bf16", "nvfp4"):
         w = random_checkpoint(MID, fmt == "nvfp4")
@@ -325,7 +325,7 @@ def main():
     ap.add_argument("--blocks", type=int, default=3)
     args = ap.parse_args()
     args.dtype = getattr(mx, args.dtype) if args.dtype else T.default_dtype()
-    print(f"mlx {mx.__version__}, metal={mx.metal.is_available()}, "
+    print(f"mlx {mx.__version__}, device={mx.default_device()}, "
           f"default nvfp4 policy for linears={NVFP4_POLICY}")
     if "a" in args.part:
         part_a(args)

@@ -10,12 +10,14 @@ the memory the OS reports available now."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from pathlib import Path
 
 import mlx.core as mx
+
+from .integrity import checkpoint_files
+from .quant import on_gpu
 
 GB = 1e9
 DEFAULT_CONTEXT = 8192
@@ -32,9 +34,13 @@ class InsufficientMemory(ValueError):
 
 def available_memory() -> tuple[int, str]:
     """(bytes, where they come from)."""
-    if mx.metal.is_available():
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]), "the GPU's recommended working set"
+    if on_gpu():
+        info = mx.device_info()
+        if "max_recommended_working_set_size" in info:       # Apple GPUs
+            return int(info["max_recommended_working_set_size"]), \
+                "the GPU's recommended working set"
+        if "memory_size" in info:
+            return int(info["memory_size"]), "the GPU's memory"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -52,7 +58,7 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
 
     compute = mx.finfo(dtype).bits // 8
     infos = {}
-    for f in sorted(glob.glob(os.path.join(str(path), "*.safetensors"))):
+    for f in checkpoint_files(path):      # what the load will read; the path is no pattern
         infos.update(read_header(Path(f)))
     total = largest = 0
     for name, t in infos.items():

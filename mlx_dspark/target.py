@@ -334,11 +334,11 @@ class MoE(nn.Module):
     within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
     normalized, times ``routed_scaling_factor``; plus one shared expert."""
 
-    sort_min_tokens = 2 if mx.metal.is_available() else 11
-    """Fewest tokens whose (token, expert) pairs are grouped by expert. On Metal every
-    multi-token step (a verify) groups, so a shared expert is read once; on the CPU grouped
-    verifies showed no consistent gain (docs/real-size.md), so it keeps mlx-lm's threshold
-    (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
+    sort_min_tokens: int | None = None
+    """Fewest tokens whose (token, expert) pairs are grouped by expert (None: by the device
+    that runs, decided at each call). On a GPU every multi-token step (a verify) groups, so a
+    shared expert is read once; on the CPU grouped verifies showed no consistent gain
+    (docs/real-size.md), so it keeps mlx-lm's threshold (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
     (tests/test_moe_grouping.py)."""
 
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
@@ -375,7 +375,7 @@ class MoE(nn.Module):
         idx_f = idx.reshape(-1, idx.shape[-1])
         # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
         # and gather_qmm can read a shared expert once (a verify's tokens often share them).
-        sort = idx_f.shape[0] >= self.sort_min_tokens
+        sort = idx_f.shape[0] >= (self.sort_min_tokens or (2 if on_gpu() else 11))
         if sort:
             flat = idx_f.flatten()
             order = mx.argsort(flat)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tiny
+from fixtures.drafter import tiny
 from reference_drafter import ReferenceDrafter, read_safetensors
 
 from mlx_dspark.drafter import load_drafter

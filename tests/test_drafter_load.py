@@ -10,7 +10,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-import tiny
+from fixtures.drafter import tiny
 
 import mlx_dspark.drafter as dr
 from mlx_dspark.checkpoint import weight_gate

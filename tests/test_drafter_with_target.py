@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tiny
+from fixtures.drafter import tiny
 from reference_drafter import ReferenceDrafter, read_safetensors
 from target_helpers import quantize_like_modelopt
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tiny
+from fixtures.drafter import tiny
 
 import mlx_dspark as md
 from mlx_dspark import cli, integrity
