@@ -2,7 +2,6 @@
 then "auto" on the real loop with a useless drafter and with the oracle drafter (fixed costs
 in place of wall times, so the load on the machine cannot change the outcome)."""
 
-import mlx.core as mx
 import numpy as np
 
 from loop_helpers import FixedCosts, serial_greedy

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import os
 import shutil
 from pathlib import Path
 
