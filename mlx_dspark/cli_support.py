@@ -123,12 +123,13 @@ def add_scheme_argument(p: argparse.ArgumentParser) -> None:
                         "(docs/sampling.md)")
 
 
-def _at_least(low: int):
-    """An argparse type: an int no smaller than ``low``."""
+def _at_least(low: int, high: int | None = None):
+    """An argparse type: an int no smaller than ``low`` (and no larger than ``high``)."""
     def parse(s: str) -> int:
         n = int(s)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, not {n}")
+        if n < low or (high is not None and n > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {n}")
         return n
     parse.__name__ = "int"    # argparse names the type in "invalid int value"
     return parse

@@ -168,7 +168,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_at_least(0), default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=_at_least(0, 65535), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",

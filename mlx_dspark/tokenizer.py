@@ -28,6 +28,9 @@ def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
             raise ValueError(f"{path}: the tokenizer needs code shipped with the checkpoint "
                              f"(tokenizer_config.json auto_map); mlx-dspark never runs it") from None
         raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
+    # The loop checks prompts against the model's own context limit; the tokenizer's
+    # model_max_length would only add a transformers warning on long prompts.
+    tokenizer._tokenizer.model_max_length = sys.maxsize
     if vocab_size is not None:
         ids = max(tokenizer.get_vocab().values(), default=-1) + 1
         if ids > vocab_size:

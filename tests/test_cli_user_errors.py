@@ -25,7 +25,8 @@ def stdin(data: bytes) -> io.TextIOWrapper:
 
 
 def test_usage_errors_are_one_line_with_exit_code_2(capsys):
-    for argv in (["generate", "--max-tokens", "lots"], ["bogus"], ["verify"]):
+    for argv in (["generate", "--max-tokens", "lots"], ["bogus"], ["verify"],
+                 ["serve", "--port", "99999"]):
         try:
             cli.main(argv)
         except SystemExit as e:
@@ -95,3 +96,10 @@ def test_ctrl_c_in_generate_ends_the_line_then_notes_it_and_prints_the_stats():
     stats = dict(line.split(": ", 1) for line in out.split("==========\r\n")[1].splitlines())
     assert stats["finish"] == "interrupted"
     assert 1 <= int(stats["generation"].split()[0]) < 4000
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_and_no_tokenizer_warning():
+    r = subprocess.run([SCRIPT, "generate", "-m", "2", "--ignore-chat-template"],
+                       input="x = 1\n" * 20000, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "the model's context limit is 4096" in r.stderr, r.stderr
