@@ -30,7 +30,7 @@ from pathlib import Path
 from .errors import ConversionError
 from .hub import resolve_source
 from .plan import TARGET, build_plan
-from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME
+from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt
 from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import RECEIPT_FORMAT, PinCheck, load_pins, receipt
 from .safetensors_io import OutTensor, SourceFiles, open_regular, sha256_file, write_safetensors
@@ -72,9 +72,8 @@ def _why_not_replaceable(out: Path) -> str | None:
     if RECEIPT_NAME not in entries:
         return f"no {RECEIPT_NAME}"
     try:
-        with open_regular(out / RECEIPT_NAME) as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (ConversionError, UnicodeDecodeError, ValueError, RecursionError):
+        doc = load_receipt(out)
+    except (OSError, ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict) or doc.get("format") != RECEIPT_FORMAT:
         return f"its {RECEIPT_NAME} is not a conversion receipt"
@@ -182,7 +181,11 @@ def _install(tmp: Path, out: Path, replacing: tuple[int, int] | None) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
     aside = old / out.name
-    os.rename(out, aside)
+    try:
+        os.rename(out, aside)
+    except BaseException:
+        old.rmdir()
+        raise
     st = os.lstat(aside)
     why = ("it was replaced" if (st.st_dev, st.st_ino) != replacing
            else _why_not_replaceable(aside))

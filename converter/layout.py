@@ -9,6 +9,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import stat
 
 LAYOUT = "mlx-dspark/1"
 """``config.json``'s ``quantization.layout`` in every converted directory."""
@@ -84,11 +85,15 @@ class BlockHash:
         return {"size": self.block_bytes, "sha256": self._done + tail}
 
 
-def read_receipt(path: str) -> dict | None:
-    """The receipt's ``outputs`` (file name -> {"size", "sha256"[, "blocks"]}), or None when the
-    directory has no receipt. Raises ValueError/OSError/KeyError/TypeError on an unreadable one."""
+def load_receipt(path) -> dict | None:
+    """The directory's receipt document, or None when it has none. Raises OSError on a receipt
+    that is not a regular file (a FIFO would block every load) and ValueError (JSON, UTF-8,
+    RecursionError aside) on one that does not parse; its fields are the caller's to check."""
     receipt = os.path.join(path, RECEIPT_NAME)
-    if not os.path.exists(receipt):
+    if not os.path.lexists(receipt):
         return None
-    with open(receipt) as fh:
-        return json.load(fh)["outputs"]
+    fd = os.open(receipt, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{receipt}: not a regular file")
+        return json.loads(fh.read().decode("utf-8"))

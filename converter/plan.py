@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConversionError
-from .quant_config import GROUP_SIZE, QuantSpec
+from .layout import GROUP_SIZE
+from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
 TARGET, DRAFTER = "target", "drafter"

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConversionError
-from .layout import (BLOCK_CHARS, GROUP_SIZE, decode_float,  # noqa: F401 (GROUP_SIZE: plan.py)
-                     layer_pattern)
+from .layout import BLOCK_CHARS, GROUP_SIZE, decode_float, layer_pattern
 from .safetensors_io import open_regular
 
 # ModelOpt algorithm -> the converted layout; everything else is refused because its bytes

@@ -67,6 +67,7 @@ def _e4m3_values() -> np.ndarray:
     return np.where(b & 0x80, -v, v).astype(np.float32)
 
 
+_E4M3 = _e4m3_values()
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -84,7 +85,7 @@ def _decode_nvfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     element i in bits 4i..4i+3, i.e. low nibble first in little-endian bytes."""
     b = codes.view(np.uint8)
     nib = np.stack([b & 15, b >> 4], axis=-1).reshape(codes.shape[0], -1)
-    return _E2M1[nib] * np.repeat(_e4m3_values()[scales], GROUP_SIZE, axis=-1)
+    return _E2M1[nib] * np.repeat(_E4M3[scales], GROUP_SIZE, axis=-1)
 
 
 def _same(want: np.ndarray, got: mx.array) -> bool:
@@ -123,7 +124,7 @@ def weight_gate(drafter: nn.Module, path: str) -> str:
             absent.append(prefix)
             continue
         codes = stored[names[0]][2]
-        want = _decode_nvfp4(codes, stored[names[1]][2]) if nvfp4 else _e4m3_values()[codes]
+        want = _decode_nvfp4(codes, stored[names[1]][2]) if nvfp4 else _E4M3[codes]
         checks.append((names, want, m.weight))
         checks.append(([scale], _decode(*stored[scale][1:]), m.scale))
     for name, p in params.items():

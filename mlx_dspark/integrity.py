@@ -27,7 +27,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .converter.layout import RECEIPT_NAME, WEIGHT_FILES, read_receipt, weight_files
+from .converter.layout import RECEIPT_NAME, WEIGHT_FILES, load_receipt, weight_files
 
 VERIFY_LEVELS = ("auto", "full", "fast", "none")
 FULL_AUTO_BYTES = 1 << 30
@@ -62,11 +62,12 @@ def receipt_outputs(path) -> list[Output] | None:
     """The files the receipt lists, validated; None when the directory has no receipt."""
     where = os.path.join(path, RECEIPT_NAME)
     try:
-        outputs = read_receipt(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        receipt = load_receipt(path)
+        if receipt is None:
+            return None
+        outputs = receipt["outputs"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{where}: unreadable conversion receipt ({e})") from None
-    if outputs is None:
-        return None
     if not isinstance(outputs, dict) or not outputs:
         raise CheckpointError(f"{where}: malformed receipt: \"outputs\" must be a non-empty "
                               f"object of file name -> size and sha256")

@@ -8,14 +8,13 @@ directory always wins over a repo id of the same spelling. Free of MLX."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from .converter.errors import ConversionError
 from .converter.hub import _REPO_ID
-from .converter.layout import RECEIPT_NAME
+from .converter.layout import RECEIPT_NAME, load_receipt
 from .converter.receipts import load_pins, pinned_revision
 
 
@@ -51,8 +50,8 @@ def resolve(name) -> Path:
 def _check_receipt(out: Path, repo: str, revision: str | None) -> None:
     """The cache entry must be a conversion of ``repo`` (at ``revision`` when pinned)."""
     try:
-        source = json.loads((out / RECEIPT_NAME).read_text(encoding="utf-8"))["source"]
-    except (OSError, ValueError, KeyError, TypeError):
+        source = load_receipt(out)["source"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise ConversionError(f"{out}: cached conversion of {repo} has no readable "
                               f"{RECEIPT_NAME}; delete the directory to convert again") from None
     if source.get("repo_id") != repo or (revision and source.get("revision") != revision):

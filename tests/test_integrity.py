@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -208,3 +209,12 @@ def test_fast_level_hashes_in_full_a_file_whose_receipt_predates_blocks(demo):
     with pytest.raises(CheckpointError, match=r"model.safetensors: sha256 .* differs from the "
                                               r"conversion receipt"):
         load_target(str(demo / "target"), verify="fast")
+
+
+def test_a_receipt_that_is_a_fifo_is_one_line_instead_of_a_hang(demo, capsys):
+    receipt = demo / "target" / RECEIPT
+    receipt.unlink()
+    os.mkfifo(receipt)
+    assert cli.main(["verify", str(demo / "target")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a regular file" in err, err
