@@ -23,8 +23,6 @@ GB = 1e9
 DEFAULT_CONTEXT = 8192
 """Tokens of context the caches are sized for when the caller does not say."""
 
-_STORED = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
-           "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 _KEEP_STORED = ("backbone.embeddings.weight", "embed_tokens.weight")
 
 
@@ -54,7 +52,7 @@ def available_memory() -> tuple[int, str]:
 def weight_bytes(path, dtype) -> tuple[int, int]:
     """(bytes the loaded tensors of a converted directory take in ``dtype``, the largest
     original that a conversion briefly holds beside its converted copy)."""
-    from .converter.safetensors_io import read_header
+    from .converter.safetensors_io import ITEMSIZE, read_header
 
     compute = mx.finfo(dtype).bits // 8
     infos = {}
@@ -62,7 +60,7 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
         infos.update(read_header(Path(f)))
     total = largest = 0
     for name, t in infos.items():
-        stored = _STORED.get(t.dtype, 4)
+        stored = ITEMSIZE[t.dtype]        # read_header refuses dtypes it does not know
         if name.endswith(_KEEP_STORED) or t.dtype in ("U32", "I32", "U64", "I64"):
             size = stored                              # packed NVFP4, embedding tables
         elif t.dtype == "U8":                          # FP8 weights are decoded at load
@@ -72,7 +70,7 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
             size = max(stored, compute)
         total += t.numel * size
         if size != stored:                             # its original lives until converted
-            largest = max(largest, t.numel * stored)
+            largest = max(largest, t.nbytes)
     return total, largest
 
 

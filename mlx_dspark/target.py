@@ -375,7 +375,10 @@ class MoE(nn.Module):
         idx_f = idx.reshape(-1, idx.shape[-1])
         # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
         # and gather_qmm can read a shared expert once (a verify's tokens often share them).
-        sort = idx_f.shape[0] >= (self.sort_min_tokens or (2 if on_gpu() else 11))
+        least = self.sort_min_tokens
+        if least is None:
+            least = 2 if on_gpu() else 11
+        sort = idx_f.shape[0] >= least
         if sort:
             flat = idx_f.flatten()
             order = mx.argsort(flat)
