@@ -7,7 +7,7 @@ drafter's cost while acceptance is what we chose. Greedy, N = 3.
 Target: the embedded demo target (``--demo``, when it is installed) or, by default, a random
 target of the demo's shape (Nemotron-H "MEM*EM", hidden 192, vocab 4096; fp32).
 
-    python benchmarks/bench_loop.py [--demo] [--tokens 64] [--repeats 3] [--only NAME] [--json]
+    python benchmarks/bench_loop.py [--demo] [--tokens 64] [--repeats 3] [--only NAME] [--fresh-auto] [--json]
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/bench_loop.py
 """
 
@@ -40,6 +40,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--only", help="run only the cases whose name contains this")
+    ap.add_argument("--fresh-auto", action="store_true",
+                    help="auto starts every call from nothing (a one-shot process's first call) "
+                         "instead of from what earlier calls with the drafter learned")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -70,14 +73,15 @@ def main():
         if args.only and args.only not in name:
             continue
         results[name] = compare(target, make, prompts, max_tokens=args.tokens,
-                                repeats=args.repeats)
+                                repeats=args.repeats, fresh_auto=args.fresh_auto)
         print(f"  done: {name}", file=sys.stderr)
     blas = os.environ.get("LD_PRELOAD", "") or "MLX's bundled BLAS"
     if args.json:
         print(json.dumps({"target": label, "blas": blas, "results": results}, indent=1))
     else:
+        learned = "auto from nothing each call" if args.fresh_auto else "auto keeps what it learned"
         print(f"{label}; {blas}; greedy, N=3, {args.tokens} tokens x {len(prompts)} prompts, "
-              f"median of {args.repeats} after warm-up; mlx {mx.__version__}")
+              f"median of {args.repeats} after warm-up; {learned}; mlx {mx.__version__}")
         print(format_rows(results))
 
 

@@ -15,8 +15,9 @@ outside draft/verify/rollback is the engine's own overhead."""
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
-from .speculative import Sampler, Stats, decode
+from .speculative import Sampler, Session, Stats, decode
 
 MODES = {"serial": False, "speculative": True, "auto": "auto"}
 
@@ -31,18 +32,26 @@ def run_once(target, drafter, prompt, mode, max_tokens, num_draft=3, sampler=Sam
 
 
 def compare(target, make_drafter, prompts, max_tokens=64, num_draft=3, sampler=Sampler(),
-            repeats=3, warmup=1) -> dict:
+            repeats=3, warmup=1, fresh_auto=False) -> dict:
     """Measure the three modes on ``prompts`` (lists of token ids).
 
     ``make_drafter(prompt, reference)`` returns the drafter for one prompt; ``reference`` is the
-    prompt followed by the serial output (what a test oracle needs; real drafters ignore it)."""
+    prompt followed by the serial output (what a test oracle needs; real drafters ignore it).
+
+    "auto" keeps what its controller learned from one call to the next, per drafter, as a
+    loaded pair does (``mlx-dspark bench``, the API, chat, the server); ``fresh_auto`` starts
+    every call from nothing instead, warm-up round included: a one-shot process's first call."""
     refs = [run_once(target, None, p, "serial", max_tokens, num_draft, sampler)[0]
             for p in prompts]
     drafters = [make_drafter(p, p + r) for p, r in zip(prompts, refs)]
+    homes = {id(d): SimpleNamespace(controller=None) for d in drafters}
 
     def run(i, mode, seed):
+        session = None
+        if mode == "auto" and not fresh_auto:
+            session = Session(target, drafters[i], "auto", home=homes[id(drafters[i])])
         return run_once(target, drafters[i], prompts[i], mode, max_tokens, num_draft, sampler,
-                        seed=seed)
+                        seed=seed, session=session)
 
     measure(run, len(prompts), warmup)
     return summarize(measure(run, len(prompts), repeats, first_seed=warmup)[0], num_draft)

@@ -211,6 +211,13 @@ class Drafter(nn.Module):
         want = self.config.hidden_size * len(self.config.target_layer_ids)
         if taps.ndim != 2 or taps.shape[1] != want:
             raise ValueError(f"taps must be [T, {want}], got {tuple(taps.shape)}")
+        total = taps.shape[0]
+        # With every layer windowed, tokens older than the widest window are never attended
+        # again: skip them (a long prompt or a long serial stretch then costs a window's worth).
+        windows = [layer.self_attn.window for layer in self.layers]
+        if None not in windows and 1 < max(windows) <= total:
+            skip = total - (max(windows) - 1)
+            taps, start_pos = taps[skip:], start_pos + skip
         c = self.hidden_norm(self.fc(taps.astype(self.dtype)))[None]
         cache = []
         for layer, (ck, cv) in zip(self.layers, self._cache):
@@ -223,7 +230,7 @@ class Drafter(nn.Module):
                 k, v = k[:, :, start:], v[:, :, start:]
             cache.append((k, v))
         self._cache = cache
-        self.length = start_pos + taps.shape[0]
+        self.length = start_pos + taps.shape[0]     # the skipped tokens count too
 
     def block_logits(self, bonus, n: int) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""

@@ -411,9 +411,12 @@ def decode(target: Target, drafter: Drafter | None, prompt: list[int], *, max_to
     use_drafter = tap and speculative is not False
     stops = set(stop_tokens)
     forced = None if speculative == "auto" else bool(speculative)
-    control = session.controller
-    if control is None or control.num_draft != num_draft or control.forced != forced:
-        control = session.controller = Controller(num_draft, forced=forced)
+    if forced is None:
+        control = session.controller
+        if control is None or control.num_draft != num_draft or control.forced is not None:
+            control = session.controller = Controller(num_draft)
+    else:   # a forced call keeps its estimates to itself: what "auto" learned stays
+        control = Controller(num_draft, forced=forced)
     switches_before = control.switches
     noise = Noise(sampler, seed)
 

@@ -129,6 +129,20 @@ def test_a_fresh_call_starts_from_what_earlier_calls_learned(tmp_path):
     assert second.stats["rounds"] == 0 and second.stats["serial_steps"] == 9
 
 
+def test_forced_calls_leave_what_auto_learned(tmp_path):
+    # A call with speculation forced on or off in between must not wipe the pair's learned
+    # controller: the next "auto" call still skips the warm-up round.
+    target_dir, drafter_dir = make_pair(tmp_path)
+    fresh = md.load(target_dir, drafter_dir)
+    learned = fresh.controller = FixedCosts(3, round_cost=2.0)
+    md.generate(fresh, PROMPTS[1], max_tokens=24)
+    for forced in ("on", "off"):
+        assert md.generate(fresh, PROMPTS[0], max_tokens=8, speculative=forced).tokens
+    assert fresh.controller is learned
+    after = md.generate(fresh, PROMPTS[2], max_tokens=10)
+    assert after.stats["rounds"] == 0 and after.stats["serial_steps"] == 9
+
+
 def test_token_ids_outside_the_vocabulary_are_a_clear_error_before_anything_runs(pair):
     vocab = pair.target.config.vocab_size
     for bad in (10 ** 6, vocab, -1):

@@ -59,6 +59,26 @@ def test_greedy_proposals_and_markov_logits_match_float64_reference(drafter, ref
         assert rel_err(z, want_z) < FP32_TOL, (P, n)
 
 
+def test_a_catch_up_longer_than_the_window_computes_only_the_window(drafter, ref):
+    # A long prompt or serial stretch reaches the drafter in one add_context: only the
+    # tokens still inside the window go through fc and the K/V projections, and the
+    # proposals are the float64 reference's over the whole context.
+    rows = []
+    fc = drafter.fc
+    drafter.fc = lambda x: rows.append(x.shape[0]) or fc(x)
+    try:
+        drafter.reset()
+        drafter.add_context(mx.array(TAPS.astype(np.float32)), 0)
+    finally:
+        drafter.fc = fc
+    assert rows == [tiny.WINDOW - 1] and drafter.length == len(TAPS)
+    for n in (1, 4, 7):
+        tokens, z = drafter.propose(99, n)
+        want_tokens, want_z = ref.propose(TAPS, 99, n)
+        assert np.array(tokens).tolist() == want_tokens.tolist()
+        assert rel_err(z, want_z) < FP32_TOL
+
+
 def test_shorter_block_is_the_longer_block_truncated(drafter):
     """The block is causal, so drafting N tokens is the first N rows of drafting 7."""
     feed(drafter, 13)

@@ -1,5 +1,6 @@
 """Shared helpers for the training scripts: token streams, batches, held-out perplexity."""
 import math
+import os
 
 import numpy as np
 import torch
@@ -9,7 +10,7 @@ from data import WORK
 SEQ_LEN = 256
 # One thread: on this shared 2-core machine a second thread mostly waits at OpenMP barriers
 # (measured 5x slower per step under load).
-THREADS = 1
+THREADS = int(os.environ.get("TRAIN_THREADS", "1"))
 
 
 def tokens(split):
