@@ -27,8 +27,9 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   to ``PROBE_MIN``, and so does a probe that lands between the thresholds (promising, but
   not yet convincing).
 * A round emits at most ``N + 1`` tokens, so when ``(N + 1) / r < OFF`` no content can make
-  speculation pay on this machine: probes then come only every ``PROBE_MAX`` steps, to notice
-  a change of cost (load, context length).
+  speculation pay on this machine: probes then come only every ``PROBE_MAX`` steps (or
+  rarer, so that they stay within ``PROBE_BUDGET``), to notice a change of cost (load,
+  context length).
 * When the catch-up alone (a share of each serial step: the drafter's context update per
   token) already costs ``PROBE_BUDGET``, probes also come only every ``PROBE_MAX`` steps.
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
@@ -192,11 +193,13 @@ class Controller:
         ``round_cost - E`` steps, and the drafter's catch-up costs ``catchup_cost`` per
         serial step in between. When even perfect acceptance could not reach ``OFF``, a
         probe can only re-measure the cost (which moves with the load and the context), so
-        probe as rarely as allowed; likewise when the catch-up alone exceeds the budget."""
+        probe at most every ``PROBE_MAX`` steps, and rarer still when a round costs so many
+        serial steps that one probe per ``PROBE_MAX`` would exceed the budget; likewise when
+        the catch-up alone exceeds the budget."""
+        loss = self.round_cost - self.expected_tokens()
         budget = PROBE_BUDGET - self.catchup_cost
         if self.ceiling() < OFF or budget <= 0:
-            return PROBE_MAX
-        loss = self.round_cost - self.expected_tokens()
+            return int(max(PROBE_MAX, loss / PROBE_BUDGET))
         return int(min(PROBE_MAX, max(steps, loss / budget)))
 
     def _age(self, tokens: int):

@@ -137,6 +137,16 @@ def test_when_even_perfect_rounds_cannot_pay_probes_come_only_every_probe_max_st
     assert c2.ceiling() > C.OFF and c2.speculating
 
 
+def test_probes_stay_within_budget_when_a_round_costs_many_serial_steps():
+    # On MLX's CPU backend a round costs ~8 serial steps; one probe per PROBE_MAX steps
+    # would then lose ~3 % of serial time. Probes are spaced by what the budget allows.
+    c, kinds = simulate(6000, lambda i: 0.0, t_round=12.0)
+    assert c.ceiling() < C.OFF and not c.speculating
+    probes = kinds[-4000:].sum()
+    assert probes * (12.0 - 1.0) / 4000 <= 1.25 * C.PROBE_BUDGET
+    assert probes >= 1                                  # it still re-measures the cost
+
+
 def test_a_drafter_catch_up_dearer_than_the_probe_budget_spaces_probes_to_probe_max():
     # A probe after k serial steps also pays the drafter's catch-up on those k tokens: when
     # that alone costs more than PROBE_BUDGET of each step, no probe interval is affordable.

@@ -6,7 +6,7 @@ embeddings and lm_head alone. The export is what `mlx-dspark convert` reads. Hel
 perplexity is measured before (fp32, bf16) and after, the latter from the exported bytes
 dequantized by ModelOpt's own NVFP4QTensor, so it checks the files, not the fake-quant model.
 
-    /work/venv-fx/bin/python training/export_target.py   # training/work/target_hf -> target_nvfp4
+    /work/venv-fx/bin/python training/export_target.py   # training/work/target_tuned_hf -> target_nvfp4
 """
 import copy
 import json
@@ -24,7 +24,7 @@ from common import THREADS, batch, heldout_windows, perplexity, tokens
 from data import WORK
 from tokenizer import TOK_DIR
 
-SRC = WORK / "target_hf"
+SRC = WORK / "target_tuned_hf"   # step 3b's output
 OUT = WORK / "target_nvfp4"
 BLOCK = 16
 DEMO_LABEL = ("mlx-dspark demonstration target (Nemotron-H-shaped, 3.9M parameters) trained on the "

@@ -6,8 +6,8 @@ TARGET_LAYER_IDS) are computed once for a fixed set of training windows and cach
 distribution at every position is norm_f + lm_head of the last tap (the last tap is the last
 layer's output), so it needs no second pass.
 
-Training data: half of every batch is corpus windows, half windows whose tail is the target's
-own greedy continuation of a corpus prefix (generated_windows).
+Training data: one window of every batch of four is corpus text, three are windows whose tail is
+the target's own greedy continuation of a corpus prefix (generated_windows).
 
 Objective (DSpark, design.md §11): for each anchor P (bonus = true token at P, context = taps of
 positions < P) and block position k = 1..N_TRAIN:
@@ -38,6 +38,7 @@ SEED = 4321
 N_TRAIN = 3            # block positions trained: N = 3 is the main use (see README)
 ANCHORS = 64           # anchors per window per step
 BATCH = 4              # windows per step
+CORPUS_ROWS = 1        # of which corpus text; the rest the target's own greedy continuations
 N_WINDOWS = 2000       # cached training windows
 LR = 2e-3
 WARMUP = 50
@@ -45,7 +46,7 @@ CKPT_EVERY = 50
 CKPT = WORK / "drafter_ckpt.pt"
 TAPS = WORK / f"drafter_taps_{N_WINDOWS}.pt"
 OUT = WORK / "drafter_torch"
-N_GENERATED = 384      # windows of target-generated text (see generated_windows)
+N_GENERATED = 1536     # windows of target-generated text (see generated_windows)
 GEN_PREFIX = 96        # corpus tokens before the target's greedy continuation
 GEN = WORK / f"drafter_generated_{N_GENERATED}.pt"
 
@@ -193,9 +194,10 @@ def main():
     t0 = time.time()
     while step < stop:
         g = np.random.default_rng([SEED, step])
-        # Half of every batch is corpus text, half the target's own greedy continuations.
-        rows = torch.from_numpy(g.choice(N_WINDOWS, BATCH // 2, replace=False))
-        grows = torch.from_numpy(g.choice(N_GENERATED, BATCH // 2, replace=False))
+        # Mostly the target's own greedy continuations (what greedy speculation drafts
+        # against), plus corpus text.
+        rows = torch.from_numpy(g.choice(N_WINDOWS, CORPUS_ROWS, replace=False))
+        grows = torch.from_numpy(g.choice(N_GENERATED, BATCH - CORPUS_ROWS, replace=False))
         ids = torch.cat([data["ids"][rows], gen["ids"][grows]])
         taps = torch.cat([data["taps"][rows], gen["taps"][grows]])
         anchors = torch.from_numpy(np.sort(g.choice(np.arange(1, SEQ_LEN - N_TRAIN), ANCHORS, replace=False)))
