@@ -28,8 +28,9 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   not yet convincing).
 * A round emits at most ``N + 1`` tokens, so when ``(N + 1) / r < OFF`` no content can make
   speculation pay on this machine: probes then come only every ``PROBE_MAX`` steps (or
-  rarer, so that they stay within ``PROBE_BUDGET``), to notice a change of cost (load,
-  context length).
+  rarer, so that they stay within ``REMEASURE_BUDGET``: measured on MLX's CPU backend, the
+  taps and bookkeeping of "auto"'s serial steps already cost ~1 %), to notice a change of
+  cost (load, context length).
 * When the catch-up alone (a share of each serial step: the drafter's context update per
   token) already costs ``PROBE_BUDGET``, probes also come only every ``PROBE_MAX`` steps.
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
@@ -49,6 +50,7 @@ medians, because wall-time spikes are one-sided and a mean would chase them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 ON = 1.05         # switch speculation on above this predicted speedup
@@ -58,6 +60,7 @@ COST_WINDOW = 9   # costs = medians of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
+REMEASURE_BUDGET = 0.01  # the same when no content could pay: probes only re-measure costs
 REFRESH = 8       # speculative rounds between serial cost refreshes
 MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
@@ -77,6 +80,7 @@ class Controller:
     serial_times: list[float] = field(default_factory=list)
     round_ratios: list[float] = field(default_factory=list)
     catchup_ratios: list[float] = field(default_factory=list)
+    catchup_totals: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
@@ -112,6 +116,13 @@ class Controller:
         """The drafter's catch-up per token, in serial steps (0 until measured)."""
         return _median(self.catchup_ratios) or 0.0
 
+    @property
+    def catchup_per_probe(self) -> float:
+        """A whole catch-up before a probe, in serial steps (0 until measured). A windowed
+        drafter computes at most a window's worth, so after a long stretch this, not the
+        per-token share, is what a probe adds."""
+        return _median(self.catchup_totals) or 0.0
+
     def predicted_speedup(self) -> float | None:
         if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
             return None
@@ -145,6 +156,7 @@ class Controller:
         follows it, which is what makes a probe after a long serial stretch expensive."""
         if tokens > 0 and self.t_serial:
             _push(self.catchup_ratios, seconds / tokens / self.t_serial)
+            _push(self.catchup_totals, seconds / self.t_serial)
 
     def observe_round(self, seconds: float, num_drafted: int, num_tested: int,
                       num_accepted: int):
@@ -193,14 +205,18 @@ class Controller:
         ``round_cost - E`` steps, and the drafter's catch-up costs ``catchup_cost`` per
         serial step in between. When even perfect acceptance could not reach ``OFF``, a
         probe can only re-measure the cost (which moves with the load and the context), so
-        probe at most every ``PROBE_MAX`` steps, and rarer still when a round costs so many
-        serial steps that one probe per ``PROBE_MAX`` would exceed the budget; likewise when
-        the catch-up alone exceeds the budget."""
+        probe at most every ``PROBE_MAX`` steps, and rarer still when a probe (its round and
+        its catch-up) costs so many serial steps that one per ``PROBE_MAX`` would exceed
+        ``REMEASURE_BUDGET``; likewise (with ``PROBE_BUDGET``) when the catch-up alone
+        exceeds the budget."""
         loss = self.round_cost - self.expected_tokens()
+        whole = loss + self.catchup_per_probe
+        if self.ceiling() < OFF:
+            return math.ceil(max(PROBE_MAX, whole / REMEASURE_BUDGET))
         budget = PROBE_BUDGET - self.catchup_cost
-        if self.ceiling() < OFF or budget <= 0:
-            return int(max(PROBE_MAX, loss / PROBE_BUDGET))
-        return int(min(PROBE_MAX, max(steps, loss / budget)))
+        if budget <= 0:
+            return math.ceil(max(PROBE_MAX, whole / PROBE_BUDGET))
+        return math.ceil(min(PROBE_MAX, max(steps, loss / budget)))
 
     def _age(self, tokens: int):
         f = DECAY ** tokens

@@ -143,8 +143,22 @@ def test_probes_stay_within_budget_when_a_round_costs_many_serial_steps():
     c, kinds = simulate(6000, lambda i: 0.0, t_round=12.0)
     assert c.ceiling() < C.OFF and not c.speculating
     probes = kinds[-4000:].sum()
-    assert probes * (12.0 - 1.0) / 4000 <= 1.25 * C.PROBE_BUDGET
+    assert probes * (12.0 - 1.0) / 4000 <= 1.25 * C.REMEASURE_BUDGET
     assert probes >= 1                                  # it still re-measures the cost
+
+
+def test_a_probes_catch_up_counts_against_the_budget_when_no_round_can_pay():
+    # A round of 12 serial steps can never pay; a probe after a long serial stretch also
+    # pays the drafter's catch-up (here 6 serial steps' worth). Both fit in the budget.
+    plain, caught = C.Controller(3), C.Controller(3)
+    for c, catchup in ((plain, 0.0), (caught, 6.0)):
+        c.observe_serial(1.0)
+        c.observe_catchup(catchup, 300)
+        c.observe_round(12.0, 3, 1, 0)
+        assert not c.speculating and c.ceiling() < C.OFF
+        loss = 12.0 - c.expected_tokens() + catchup
+        assert loss / c.probe_every <= C.REMEASURE_BUDGET
+    assert caught.probe_every > plain.probe_every > C.PROBE_MAX
 
 
 def test_a_drafter_catch_up_dearer_than_the_probe_budget_spaces_probes_to_probe_max():
