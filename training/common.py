@@ -1,4 +1,5 @@
 """Shared helpers for the training scripts: token streams, batches, held-out perplexity."""
+import json
 import math
 import os
 
@@ -65,3 +66,13 @@ def resume(ckpt, model, opt) -> int:
     opt.load_state_dict(ck["opt"])
     print(f"resumed at step {ck['step']}")
     return ck["step"]
+
+
+def save_target(model, out, report: dict):
+    """Held-out perplexity of a trained target, then the HF checkpoint and its report."""
+    model.eval()
+    ppl = perplexity(model, heldout_windows())
+    print(f"held-out perplexity {ppl:.3f}")
+    model.save_pretrained(out)
+    (out / "training_report.json").write_text(
+        json.dumps({**report, "seq_len": SEQ_LEN, "heldout_ppl": ppl}, indent=2) + "\n")

@@ -7,14 +7,13 @@ interrupted run finishes identically. Writes the HF checkpoint to training/work/
     /work/venv-fx/bin/python training/train_target.py [--steps N]
 """
 import argparse
-import json
 import math
 import time
 
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from common import SEQ_LEN, THREADS, batch, heldout_windows, perplexity, resume, tokens
+from common import THREADS, batch, resume, save_target, tokens
 from data import WORK
 from shapes import hf_config_kwargs
 
@@ -75,12 +74,7 @@ def main():
                   f"{seen/dt:.0f} tok/s", flush=True)
         if step % CKPT_EVERY == 0 or step == stop:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, CKPT)
-    model.eval()
-    ppl = perplexity(model, heldout_windows())
-    print(f"held-out perplexity {ppl:.3f}")
-    model.save_pretrained(OUT)
-    (OUT / "training_report.json").write_text(json.dumps(
-        {"steps": step, "schedule_steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "heldout_ppl": ppl}, indent=2) + "\n")
+    save_target(model, OUT, {"steps": step, "schedule_steps": args.steps, "batch": BATCH})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ resumes like step 3. Reads training/work/target_hf, writes training/work/target_
     /work/venv-fx/bin/python training/tune_target.py [--steps N]
 """
 import argparse
-import json
 import time
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import NemotronHForCausalLM
 
-from common import SEQ_LEN, THREADS, batch, heldout_windows, perplexity, resume, tokens
+from common import THREADS, batch, resume, save_target, tokens
 from data import WORK
 
 SEED = 2468
@@ -98,13 +97,8 @@ def main():
                   f"continuations {rep:.3f} ({time.time() - t0:.0f} s)", flush=True)
         if step % CKPT_EVERY == 0 or step == args.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, CKPT)
-    model.eval()
-    ppl = perplexity(model, heldout_windows())
-    print(f"held-out perplexity {ppl:.3f}")
-    model.save_pretrained(OUT)
-    (OUT / "training_report.json").write_text(json.dumps(
-        {"tune_steps": step, "alpha": ALPHA, "batch": BATCH, "prefix": PREFIX, "continuation": CONT, "lr": LR,
-         "seq_len": SEQ_LEN, "heldout_ppl": ppl}, indent=2) + "\n")
+    save_target(model, OUT, {"tune_steps": step, "alpha": ALPHA, "batch": BATCH, "prefix": PREFIX,
+                             "continuation": CONT, "lr": LR})
 
 
 if __name__ == "__main__":
