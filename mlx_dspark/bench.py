@@ -15,9 +15,8 @@ outside draft/verify/rollback is the engine's own overhead."""
 from __future__ import annotations
 
 import statistics
-from types import SimpleNamespace
 
-from .speculative import Sampler, Session, Stats, decode
+from .speculative import ControllerHome, Sampler, Session, Stats, decode
 
 MODES = {"serial": False, "speculative": True, "auto": "auto"}
 
@@ -44,7 +43,7 @@ def compare(target, make_drafter, prompts, max_tokens=64, num_draft=3, sampler=S
     refs = [run_once(target, None, p, "serial", max_tokens, num_draft, sampler)[0]
             for p in prompts]
     drafters = [make_drafter(p, p + r) for p, r in zip(prompts, refs)]
-    homes = {id(d): SimpleNamespace(controller=None) for d in drafters}
+    homes = {id(d): ControllerHome() for d in drafters}
 
     def run(i, mode, seed):
         session = None

@@ -32,7 +32,7 @@ Policy (constants below, chosen by measurement, see README "Break-even controlle
   taps and bookkeeping of "auto"'s serial steps already cost ~1 %), to notice a change of
   cost (load, context length).
 * When the catch-up alone (a share of each serial step: the drafter's context update per
-  token) already costs ``PROBE_BUDGET``, probes also come only every ``PROBE_MAX`` steps.
+  token) already costs ``PROBE_BUDGET``, probes also come at most every ``PROBE_MAX`` steps.
 * ``ON > OFF`` is the hysteresis: predictions between them keep the current mode.
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts

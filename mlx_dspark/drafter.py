@@ -161,6 +161,9 @@ class Drafter(nn.Module):
         # target is neither a parameter nor a child module of the drafter.
         object.__setattr__(self, "_target", target)
         self.gate_report = None
+        # Context rows any future query can still attend: with every layer windowed, tokens
+        # older than the widest window never are again (None: some layer sees everything).
+        self._context_keep = None if None in cfg.windows else max(cfg.windows) - 1
         self.reset()
 
     @property
@@ -211,12 +214,10 @@ class Drafter(nn.Module):
         want = self.config.hidden_size * len(self.config.target_layer_ids)
         if taps.ndim != 2 or taps.shape[1] != want:
             raise ValueError(f"taps must be [T, {want}], got {tuple(taps.shape)}")
-        total = taps.shape[0]
-        # With every layer windowed, tokens older than the widest window are never attended
-        # again: skip them (a long prompt or a long serial stretch then costs a window's worth).
-        windows = [layer.self_attn.window for layer in self.layers]
-        if None not in windows and 1 < max(windows) <= total:
-            skip = total - (max(windows) - 1)
+        # Skip what no future query attends: a long prompt or serial stretch costs a window.
+        keep = self._context_keep
+        if keep and taps.shape[0] > keep:
+            skip = taps.shape[0] - keep
             taps, start_pos = taps[skip:], start_pos + skip
         c = self.hidden_norm(self.fc(taps.astype(self.dtype)))[None]
         cache = []

@@ -214,7 +214,7 @@ class Session:
                  speculative: bool | str = "auto", home=None):
         self.target = target
         self.drafter = drafter if speculative is not False else None
-        self.home = home if home is not None else _Home()
+        self.home = home if home is not None else ControllerHome()
         self.reset()
 
     @property
@@ -292,7 +292,9 @@ class Snapshot:
 
 
 @dataclass
-class _Home:
+class ControllerHome:
+    """Where a session keeps its break-even controller between calls (a Pair is another)."""
+
     controller: Controller | None = None
 
 
