@@ -14,7 +14,7 @@ import shutil
 
 import torch
 from safetensors.torch import load_file
-from transformers import NemotronHForCausalLM
+from transformers import AutoConfig, NemotronHForCausalLM
 
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
@@ -87,7 +87,9 @@ def dequantized_state_dict(export_dir, config):
 def load_dequantized(export_dir=None):
     """An fp32 transformers model holding exactly the exported (dequantized) weights."""
     export_dir = export_dir or OUT
-    model = NemotronHForCausalLM.from_pretrained(SRC, dtype=torch.float32).eval()
+    # Built from the export's own config (no quantizers: that is from_pretrained's business), so
+    # recover_target.py's rebuilt export is enough to train and measure the drafter.
+    model = NemotronHForCausalLM(AutoConfig.from_pretrained(export_dir)).float().eval()
     missing = model.load_state_dict(dequantized_state_dict(export_dir, model.config), strict=False)
     assert not missing.unexpected_keys, missing.unexpected_keys
     assert all(k.endswith("e_score_correction_bias") for k in missing.missing_keys), missing.missing_keys
