@@ -6,7 +6,7 @@ much the target repeats itself: the share of distinct 4-grams in 128 greedy toke
 `mlx-dspark bench`'s code prompts (windows of real stdlib code score about 0.9).
 Speed comparisons are `mlx-dspark bench`'s job; this only counts. Runtime venv:
 
-    /work/venv/bin/python training/measure_pair.py [--max-tokens 64]
+    /work/venv/bin/python training/measure_pair.py [--max-tokens 64] [--pair DIR]
 """
 import argparse
 import json
@@ -45,11 +45,31 @@ def repetition(pair, prompts, max_tokens=128):
             "each": [round(x, 3) for x in shares]}
 
 
+def by_repetition(pair, prompts, max_tokens=128, moves_on=0.7):
+    """Greedy N = 3 tokens per round, pooled separately over prompts whose output moves on
+    (distinct 4-gram share >= moves_on) and over those that loop: a drafter predicts a loop
+    easily, so only the first group compares drafters across targets that loop differently."""
+    groups = {"moves_on": [0, 0.0], "loops": [0, 0.0]}
+    each = []
+    for p in prompts:
+        r = md.generate(pair, p, max_tokens=max_tokens, speculative=True, num_draft=3)
+        share = distinct_4grams(r.tokens)
+        g = groups["moves_on" if share >= moves_on else "loops"]
+        g[0] += r.stats["rounds"]
+        g[1] += r.stats["mean_tokens_per_round"] * r.stats["rounds"]
+        each.append([round(share, 3), round(r.stats["mean_tokens_per_round"], 2)])
+    return {name: {"prompts": sum(1 for s, _ in each if (s >= moves_on) == (name == "moves_on")),
+                   "mean_tokens_per_round": round(t / n, 3) if n else None}
+            for name, (n, t) in groups.items()} | {"each_share_tokens_per_round": each}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pair", metavar="DIR", help="a folder holding target/ and drafter/ "
+                    "(default: the embedded demo pair), e.g. an earlier pair from git history")
     args = ap.parse_args()
-    pair = md.load()
+    pair = md.load(f"{args.pair}/target", f"{args.pair}/drafter") if args.pair else md.load()
     report = {}
     for name, sampling in (("greedy", {}), ("t1.0_p0.95", {"temperature": 1.0, "top_p": 0.95})):
         for group in ("code", "text"):
@@ -57,6 +77,8 @@ def main():
             print(f"{name}/{group}", json.dumps(report[f"{name}/{group}"]), flush=True)
     report["distinct_4grams/bench_code"] = repetition(pair, BENCH_PROMPTS["code"])
     print("distinct_4grams/bench_code", json.dumps(report["distinct_4grams/bench_code"]))
+    report["greedy_by_repetition/code"] = by_repetition(pair, list(dict.fromkeys(BENCH_PROMPTS["code"] + PROMPTS["code"])))
+    print("greedy_by_repetition/code", json.dumps(report["greedy_by_repetition/code"]))
 
 
 if __name__ == "__main__":

@@ -46,15 +46,19 @@ CKPT_EVERY = 50
 CKPT = WORK / "drafter_ckpt.pt"
 TAPS = WORK / f"drafter_taps_{N_WINDOWS}.pt"
 OUT = WORK / "drafter_torch"
-N_GENERATED = 1536     # windows of target-generated text (see generated_windows)
+N_GENERATED = 3072     # windows of target-generated text (see generated_windows)
 GEN_PREFIX = 96        # corpus tokens before the target's greedy continuation
 GEN = WORK / f"drafter_generated_{N_GENERATED}.pt"
 
 
-def drafter_config(target_cfg, mask_token_id):
+LAYERS = 2
+INTERMEDIATE = 512
+
+
+def drafter_config(target_cfg, mask_token_id, layers=LAYERS, intermediate=INTERMEDIATE):
     h = target_cfg.hidden_size
     return DrafterConfig(
-        hidden_size=h, intermediate_size=512, num_hidden_layers=2,
+        hidden_size=h, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
         vocab_size=target_cfg.vocab_size, target_layer_ids=list(TARGET_LAYER_IDS),
         sliding_window=128, markov_rank=64, mask_token_id=mask_token_id)
@@ -156,9 +160,9 @@ def lr_at(step, total):
     return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP))))
 
 
-def make_drafter(target, tok_mask_id):
+def make_drafter(target, tok_mask_id, layers, intermediate):
     torch.manual_seed(SEED)
-    d = DSparkDrafter(drafter_config(target.config, tok_mask_id))
+    d = DSparkDrafter(drafter_config(target.config, tok_mask_id, layers, intermediate))
     for name, p in d.named_parameters():
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.02)
@@ -179,6 +183,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--stop-at", type=int, default=None, help="end early at this checkpointed step")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--intermediate", type=int, default=INTERMEDIATE)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     target = load_dequantized()
@@ -186,7 +192,7 @@ def main():
         p.requires_grad_(False)
     data = cached_windows(target)
     gen = generated_windows(target)
-    drafter = make_drafter(target, mask_token_id())
+    drafter = make_drafter(target, mask_token_id(), args.layers, args.intermediate)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     step = resume(CKPT, drafter, opt)
