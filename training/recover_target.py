@@ -15,6 +15,7 @@ import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
+from mlx_dspark.converter.layout import load_receipt
 
 from data import HERE, WORK
 
@@ -40,8 +41,7 @@ def source_name_and_tensor(name, t):
 
 
 def main():
-    receipt = json.loads((DEMO / "MERERUN_CONVERSION.json").read_text())
-    want = receipt["source"]["files"]["model.safetensors"]["sha256"]
+    want = load_receipt(DEMO)["source"]["files"]["model.safetensors"]["sha256"]
     tensors = {}
     for name, t in load_file(DEMO / "model.safetensors").items():
         tensors.update(source_name_and_tensor(name, t))
