@@ -41,7 +41,10 @@ def source_name_and_tensor(name, t):
 
 
 def main():
-    want = load_receipt(DEMO)["source"]["files"]["model.safetensors"]["sha256"]
+    receipt = load_receipt(DEMO)
+    if receipt is None:
+        raise SystemExit(f"{DEMO}: no conversion receipt, so nothing to check the rebuilt export against")
+    want = receipt["source"]["files"]["model.safetensors"]["sha256"]
     tensors = {}
     for name, t in load_file(DEMO / "model.safetensors").items():
         tensors.update(source_name_and_tensor(name, t))
