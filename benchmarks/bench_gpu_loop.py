@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from bench_loop import DEMO_SHAPE
-from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 PROMPT = [(37 * i) % 4000 + 11 for i in range(40)]
 

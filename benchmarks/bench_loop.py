@@ -18,9 +18,10 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dspark.bench import compare, format_rows
-from mlx_dspark.oracle_drafter import OracleDrafter
-from mlx_dspark.toy import random_drafter, tiny_target
+from mlx_dspark.bench import format_rows
+from mlx_dspark.testing.compare import compare
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 DEMO_SHAPE = dict(pattern="MEM*EM", vocab_size=4096, hidden_size=192, intermediate_size=256,
                   moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-from mlx_dspark.server import launch
+from mlx_dspark.testing.server import launch
 
 TOPICS = ["read a CSV file", "parse command line arguments", "walk a directory tree",
           "retry a network call", "merge two sorted lists", "cache function results",

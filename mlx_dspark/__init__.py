@@ -6,6 +6,7 @@ _PUBLIC = {
     "load": "api", "generate": "api", "stream_generate": "api",
     "Pair": "api", "Result": "api", "Chunk": "api",
     "load_target": "target", "load_drafter": "drafter",
+    "Request": "request", "Session": "session", "Stats": "stats",
 }
 
 __version__ = "0.1.0"       # pyproject.toml's version (tests/test_habits.py keeps them equal)

@@ -1,18 +1,23 @@
 """The public API (ARCHITECTURE.md): ``load``, ``generate``, ``stream_generate``.
 
 ``generate`` is ``stream_generate`` collected, so streaming yields exactly the text the
-non-streaming call returns."""
+non-streaming call returns. Both build one :class:`~mlx_dspark.request.Request` from their
+keywords and hand it, with a session, to :func:`stream`, which the CLI and the server call
+with requests of their own."""
 
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from .integrity import check_level
-from .speculative import Sampler, Session, Stats, decode
-from .tokenizer import encode, load_tokenizer
+from .request import Request, RequestError, speculative_mode, split_stops
+from .session import Session
+from .stats import Stats
+from .tokenizer import load_tokenizer, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
 
@@ -29,12 +34,25 @@ class Pair:
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
 
-    def session(self, speculative="auto") -> Session:
-        """A reusable decoding state: pass it to successive calls whose prompts extend each
-        other (a chat) and only the new tokens are prefilled. One live session per pair:
-        a session owns the drafter's context while it is used. The pair keeps what the
-        session's controller learns."""
-        return Session(self.target, self.drafter, _speculative(speculative), home=self)
+    def session(self, speculative=None) -> Session:
+        """A decoding state of its own (target and drafter caches): pass it to successive
+        calls whose prompts extend each other (a chat) and only the new tokens are
+        prefilled. Any number of sessions live on one pair. The pair keeps what the
+        sessions' controller learns about this machine.
+
+        The mode belongs to each call (``speculative=``); the argument here is accepted for
+        code written before, and ignored."""
+        if speculative is not None:
+            speculative_mode(speculative)
+            warnings.warn("pair.session(mode): a session no longer takes a mode; pass "
+                          "speculative= to each generate() call", DeprecationWarning,
+                          stacklevel=2)
+        return Session(self.target, self.drafter, home=self)
+
+    def stop_tokens(self) -> frozenset:
+        """The ids that always end a generation (the tokenizer's eos ids)."""
+        return frozenset(self.tokenizer.eos_token_ids) if self.tokenizer is not None \
+            else frozenset()
 
 
 @dataclass
@@ -42,28 +60,30 @@ class Chunk:
     """One streamed piece: the text that became printable with ``token``.
 
     As in mlx-lm, every chunk carries a generated token and the last one carries the finish
-    reason ("stop" or "length"; None before). When a stop token ends the run, the last chunk's
-    ``token`` is that stop token: it is not part of ``Result.tokens`` and its text is only what
-    the detokenizer still held back."""
+    reason ("stop" or "length"; None before). ``stop`` says whether ``token`` is a stop token
+    (the last chunk's, when one ended the run): it is not part of ``Result.tokens`` and its
+    text is only what the detokenizer still held back. ``stats`` is a snapshot of the run so
+    far (:class:`~mlx_dspark.stats.Stats`; peak memory on the last chunk only)."""
 
     text: str
     token: int
-    stats: dict
+    stats: Stats
+    stop: bool = False
 
     @property
     def finish_reason(self):
-        return self.stats["finish_reason"]
+        return self.stats.finish_reason
 
 
 @dataclass
 class Result:
     text: str
     tokens: list[int]
-    stats: dict
+    stats: Stats
 
     @property
     def finish_reason(self):
-        return self.stats["finish_reason"]
+        return self.stats.finish_reason
 
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
@@ -105,61 +125,87 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 tokenizer=load_tokenizer(model, target.config.vocab_size))
 
 
-def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                    num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                    session: Session | None = None,
-                    chat_template_kwargs: dict | None = None,
-                    sampling: str = "rejection") -> Iterator[Chunk]:
+def make_request(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
+                 chat_template_kwargs: dict | None = None, sampling: str = "rejection",
+                 thinking_token_budget: int | None = None) -> Request:
+    """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
+    the tokenizer's eos ids among the stop tokens)."""
+    strings, ids = split_stops(stop)
+    if strings and pair.tokenizer is None:
+        raise RequestError("stop", "stop strings need a tokenizer")
+    return Request(prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs),
+                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
+                   stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
+                   thinking_token_budget=thinking_token_budget)
+
+
+def stream_generate(pair: Pair, prompt, max_tokens: int = 256, *,
+                    session: Session | None = None, **options) -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
-    list of chat messages, or a list of token ids used verbatim; ``chat_template_kwargs``
-    (such as ``{"enable_thinking": False}``) go to the chat template. ``speculative``: "auto",
-    True/"on" or False/"off". ``stop``: extra stop token ids (ints) and/or stop strings; the
-    tokenizer's eos ids always stop. A stop token is not part of the output; a stop string
-    ends the text just before it (the token that completed it is kept in ``tokens``).
+    list of chat messages, a list of token ids used verbatim, or a :class:`Request` (then no
+    other option is taken). Options (:func:`make_request`): ``temperature``, ``top_p``,
+    ``top_k``, ``seed``, ``num_draft``; ``speculative``: "auto", True/"on" or False/"off";
+    ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
+    stop; a stop token is not part of the output; a stop string ends the text just before it,
+    the token that completed it kept in ``tokens``); ``chat_template_kwargs`` (such as
+    ``{"enable_thinking": False}``) go to the chat template.
 
     ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
     gives the same tokens whether or not and however the drafter speculates); both sample
-    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both."""
-    speculative = _speculative(speculative)
-    sampler = Sampler(temperature, top_p, top_k, sampling)   # refuses nonsense before loading
-    prompt_ids = _prompt_ids(pair, prompt, chat, chat_template_kwargs)
-    stop_strings, stop_tokens = _stops(pair, stop)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both.
 
+    ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
+    if isinstance(prompt, Request):
+        if options:
+            raise TypeError(f"a Request carries every option; got {', '.join(options)} too")
+        request = prompt
+    else:
+        request = make_request(pair, prompt, max_tokens, **options)
+    return stream(pair, request, session)
+
+
+def stream(pair: Pair, request: Request, session: Session | None = None) -> Iterator[Chunk]:
+    """The chunks of ``request`` decoded on ``session`` (None: a session of its own, without
+    the drafter when the request never speculates)."""
+    from .speculative import decode
+
+    if session is None:
+        session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
+                          home=pair)
     stats = Stats()
-    tok = pair.tokenizer
-    detok = tok.detokenizer if tok is not None else None
+    return _chunks(pair, request, decode(session, request, stats), stats)
+
+
+def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
+    stops, strings = request.stop_tokens, request.stop_strings
+    detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:
         detok.reset()
     shown = 0        # characters of the detokenized text already yielded
-    if session is None:
-        session = pair.session(speculative)
-    tokens = decode(pair.target, pair.drafter, prompt_ids, max_tokens=max_tokens,
-                    sampler=sampler, num_draft=num_draft,
-                    speculative=speculative, seed=seed, stop_tokens=stop_tokens, stats=stats,
-                    session=session)
     try:
         for token in tokens:
             last = stats.finish_reason is not None     # decode names it before the last token
+            stop = last and stats.finish_reason == "stop" and token in stops
             if detok is None:
-                yield Chunk("", token, _with_memory(stats))
+                yield Chunk("", token, _snapshot(stats, last), stop)
                 continue
-            if token not in stop_tokens:
+            if not stop:
                 detok.add_token(token)
             if last:
                 detok.finalize()
             text = detok.text
-            cut = _find_stop(text, stop_strings, max(0, shown - _longest(stop_strings)))
+            cut = _find_stop(text, strings, max(0, shown - _longest(strings)))
             if cut is not None:
                 stats.finish_reason = "stop"
-                yield Chunk(text[shown:cut], token, _with_memory(stats))
+                yield Chunk(text[shown:cut], token, _snapshot(stats, True))
                 return
-            end = len(text) if last else len(text) - _held_back(text, stop_strings)
-            yield Chunk(text[shown:end], token, _with_memory(stats))
+            end = len(text) if last else len(text) - _held_back(text, strings)
+            yield Chunk(text[shown:end], token, _snapshot(stats, last), stop)
             shown = max(shown, end)
     finally:
         tokens.close()
@@ -167,62 +213,30 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, temperature: floa
 
 def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
     """Generate and return the whole result (same arguments as ``stream_generate``)."""
-    _, stop_tokens = _stops(pair, kwargs.get("stop"))
-    text, tokens, stats = [], [], {}
+    text, tokens, stats = [], [], None
     for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
         text.append(chunk.text)
-        if not (chunk.finish_reason == "stop" and chunk.token in stop_tokens):
+        if not chunk.stop:
             tokens.append(chunk.token)
         stats = chunk.stats
     return Result("".join(text), tokens, stats)
 
 
-_SPECULATIVE = {"auto": "auto", "on": True, "off": False, True: True, False: False}
-
-
-def _speculative(value):
-    """The CLI's words ("on", "off", "auto") and the booleans, as the loop takes them."""
-    if isinstance(value, (str, bool)) and value in _SPECULATIVE:
-        return _SPECULATIVE[value]
-    raise ValueError(f"speculative must be 'auto', 'on', 'off', True or False, not {value!r}")
-
-
-def _stops(pair: Pair, stop) -> tuple[list[str], set[int]]:
-    """Stop strings and stop token ids (the tokenizer's eos ids always among them)."""
-    stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
-    strings = [s for s in stop if isinstance(s, str)]
-    ids = {s for s in stop if not isinstance(s, str)}
-    if pair.tokenizer is not None:
-        ids |= set(pair.tokenizer.eos_token_ids)
-    elif strings:
-        raise ValueError("stop strings need a tokenizer")
-    if any(not s for s in strings):
-        raise ValueError("empty stop string")
-    return strings, ids
-
-
-def _with_memory(stats: Stats) -> dict:
-    """The stats dict plus peak memory so far: MLX's allocator (weights, caches,
-    activations) and the process's peak resident set, both in GB (10^9 bytes, as mlx-lm)."""
-    import mlx.core as mx
-    return dict(stats.as_dict(), peak_memory_gb=mx.get_peak_memory() / 1e9,
-                peak_rss_gb=_peak_rss_bytes() / 1e9)
+def _snapshot(stats: Stats, last: bool) -> Stats:
+    """A copy of the stats for a chunk; the last one reads the peak memory (once): MLX's
+    allocator (weights, caches, activations) and the process's peak resident set, in GB
+    (10^9 bytes, as mlx-lm)."""
+    if last:
+        import mlx.core as mx
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        stats.peak_rss_gb = _peak_rss_bytes() / 1e9
+    return stats.snapshot()
 
 
 def _peak_rss_bytes() -> int:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024     # macOS: bytes; Linux: KiB
-
-
-def _prompt_ids(pair: Pair, prompt, chat: bool, options: dict | None) -> list[int]:
-    if not prompt:
-        raise ValueError("empty prompt: give some text or at least one token id")
-    if all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if pair.tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; this pair has none")
-    return encode(pair.tokenizer, prompt, chat, options)
 
 
 def _find_stop(text: str, stop_strings, start: int) -> int | None:

@@ -10,54 +10,32 @@ docs/design.md §8 predicts the speedup,
 
 (per-round part times, ``t_step`` the serial run's time per token); ``efficiency`` = measured /
 predicted is then the share of the model's promise the engine delivers, and the per-round time
-outside draft/verify/rollback is the engine's own overhead."""
+outside draft/verify/rollback is the engine's own overhead. ``testing.compare`` runs the same
+measurement on token-id prompts with any drafter (the loop benchmark's oracle drafters)."""
 
 from __future__ import annotations
 
 import statistics
 
-from .speculative import ControllerHome, Sampler, Session, Stats, decode
+from .request import Request
+from .session import Session
+from .speculative import decode
+from .stats import Stats
 
-MODES = {"serial": False, "speculative": True, "auto": "auto"}
+MODES = {"serial": "off", "speculative": "on", "auto": "auto"}   # bench's name -> the mode
 
 
-def run_once(target, drafter, prompt, mode, max_tokens, num_draft=3, sampler=Sampler(),
-             seed=0, session=None) -> tuple[list[int], Stats]:
+def run_once(target, drafter, request: Request, home=None) -> tuple[list[int], Stats]:
+    """Decode ``request`` on a fresh session (without the drafter when the request never
+    speculates, as ``generate()`` does). ``home`` keeps "auto"'s controller between calls:
+    the pair, as successive ``generate()`` calls do; None learns from nothing."""
     stats = Stats()
-    tokens = list(decode(target, drafter, prompt, max_tokens=max_tokens, sampler=sampler,
-                         num_draft=num_draft, speculative=MODES[mode], seed=seed, stats=stats,
-                         session=session))
-    return tokens, stats
-
-
-def compare(target, make_drafter, prompts, max_tokens=64, num_draft=3, sampler=Sampler(),
-            repeats=3, warmup=1, fresh_auto=False) -> dict:
-    """Measure the three modes on ``prompts`` (lists of token ids).
-
-    ``make_drafter(prompt, reference)`` returns the drafter for one prompt; ``reference`` is the
-    prompt followed by the serial output (what a test oracle needs; real drafters ignore it).
-
-    "auto" keeps what its controller learned from one call to the next, per drafter, as a
-    loaded pair does (``mlx-dspark bench``, the API, chat, the server); ``fresh_auto`` starts
-    every call from nothing instead, warm-up round included: a one-shot process's first call."""
-    refs = [run_once(target, None, p, "serial", max_tokens, num_draft, sampler)[0]
-            for p in prompts]
-    drafters = [make_drafter(p, p + r) for p, r in zip(prompts, refs)]
-    homes = {id(d): ControllerHome() for d in drafters}
-
-    def run(i, mode, seed):
-        session = None
-        if mode == "auto" and not fresh_auto:
-            session = Session(target, drafters[i], "auto", home=homes[id(drafters[i])])
-        return run_once(target, drafters[i], prompts[i], mode, max_tokens, num_draft, sampler,
-                        seed=seed, session=session)
-
-    measure(run, len(prompts), warmup)
-    return summarize(measure(run, len(prompts), repeats, first_seed=warmup)[0], num_draft)
+    session = Session(target, drafter if request.speculative != "off" else None, home=home)
+    return list(decode(session, request, stats)), stats
 
 
 def measure(run, num_prompts: int, repeats: int, first_seed: int = 0, progress=None):
-    """The measurement loop of ``compare`` and ``mlx-dspark bench``: for each repeat, every
+    """The measurement loop of ``mlx-dspark bench`` (and ``testing.compare``): for each repeat, every
     prompt in every mode, interleaved. ``run(i, mode, seed) -> (tokens, Stats)`` decodes
     prompt ``i``; ``progress(rep, i, per_mode)`` (optional) is called after each prompt.
 
@@ -127,7 +105,7 @@ def summarize(runs: dict, num_draft: int) -> dict:
 
 
 def format_rows(rows: dict) -> str:
-    """A Markdown table, one row per named result of :func:`compare`."""
+    """A Markdown table, one row per named result of :func:`summarize`."""
     head = ("| case | serial tok/s | spec tok/s | auto tok/s | tokens/round | speedup | predicted "
             "| efficiency | auto/serial | auto spec share | draft / verify / rollback / overhead "
             "ms per round | overhead share |")

@@ -17,7 +17,7 @@ import platform
 import sys
 import time
 
-from .cli_support import CommandError, load_pair
+from .cli_support import CommandError, flag_error, load_pair
 
 # Short prompts written for this benchmark. Code prompts are completions (the demo pair is a
 # code model); math and chat prompts go through the chat template when the model has one.
@@ -54,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if pair.drafter is None:
         raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
     prompts = [(d, p) for d in domains for p in PROMPTS[d][:args.limit]]
-    report = measure(pair, prompts, args)
+    try:
+        report = measure(pair, prompts, args)
+    except ValueError as e:      # a request the pair cannot serve (--num-draft beyond it)
+        raise flag_error(e) from None
     report["model"] = args.model or "embedded demo target"
     report["drafter"] = args.drafter or ("embedded demo drafter" if args.model is None else None)
     if args.json:
@@ -84,22 +87,21 @@ def _domains(spec: str | None) -> list[str]:
 
 def measure(pair, prompts, args) -> dict:
     from . import bench
-    from .speculative import Sampler
-    from .tokenizer import encode_chat
+    from .request import Request
+    from .tokenizer import prompt_ids
 
     def ids(domain, text):
-        if domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False):
-            return encode_chat(pair.tokenizer, [{"role": "user", "content": text}], {})[0]
-        return list(pair.tokenizer.encode(text))
+        chat = domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False)
+        return prompt_ids(pair.tokenizer, text, chat)
 
-    sampler = Sampler(args.temp, args.top_p, 0, args.sampling)   # checked by load_pair
-
-    def once(prompt_ids, mode, max_tokens, seed=0):
+    def once(prompt, mode, max_tokens, seed=0):
         # "auto" runs as successive generate() calls on one pair do: each starts from what
         # the pair's controller learned in the calls before it.
-        session = pair.session() if mode == "auto" else None
-        return bench.run_once(pair.target, pair.drafter, prompt_ids, mode, max_tokens,
-                              args.num_draft, sampler=sampler, seed=seed, session=session)
+        request = Request(prompt, max_tokens=max_tokens, temperature=args.temp,
+                          top_p=args.top_p, sampling=args.sampling, num_draft=args.num_draft,
+                          speculative=bench.MODES[mode], seed=seed)
+        return bench.run_once(pair.target, pair.drafter, request,
+                              home=pair if mode == "auto" else None)
 
     encoded = [ids(d, t) for d, t in prompts]
     _progress("warming up")

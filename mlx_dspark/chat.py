@@ -15,8 +15,9 @@ from __future__ import annotations
 import sys
 
 from . import api
-from .cli_support import (SEEDS, CatchInterrupt, CommandError, format_acceptance,
-                          generation_kwargs, utf8_text)
+from .cli_support import CatchInterrupt, CommandError, flag_error, request_options, utf8_text
+from .request import SEEDS
+from .stats import Stats, format_line, format_stats
 from .tokenizer import _encode, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
@@ -65,24 +66,14 @@ class Conversation:
         self.ids = prompt + answer_ids
 
 
-def status_line(stats: dict) -> str:
-    """One line after each answer; ``prompt`` counts the tokens prefilled and reused."""
-    prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
-    return (f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, "
-            f"accepted {stats['mean_accepted_per_round']:.2f}/round "
-            f"({format_acceptance(stats)}), prompt {stats['prompt_tokens']} tokens: "
-            f"{prefilled} prefilled, {stats['reused_tokens']} reused, {stats['mode']}, "
-            f"{stats['finish_reason']}]")
-
-
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        self.session = pair.session(args.speculative)
+        self.session = pair.session()
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning),
                                          args.system_prompt)
-        self.turns: list[dict] = []   # final stats of each answer since the last /reset
+        self.turns: list[Stats] = []   # final stats of each answer since the last /reset
 
     def run(self) -> int:
         try:
@@ -138,69 +129,51 @@ class Chat:
 
     def answer(self, user: str):
         ids = self.conversation.prompt(user)
-        kwargs = generation_kwargs(self.args)
+        options = request_options(self.args)
         if self.args.seed is not None:     # a different, reproducible draw every turn
-            kwargs["seed"] = (self.args.seed + len(self.turns)) % SEEDS
+            options["seed"] = (self.args.seed + len(self.turns)) % SEEDS
+        try:      # e.g. the conversation no longer fits the context
+            stream = api.stream(self.pair, api.make_request(self.pair, ids, **options),
+                                self.session)
+        except ValueError as e:
+            print(f"error: {flag_error(e)} (/reset starts a new conversation)")
+            return
         pieces, tokens, stats = [], [], None
-        stop_tokens = set(self.pair.tokenizer.eos_token_ids)
-        stream = api.stream_generate(self.pair, ids, session=self.session, **kwargs)
         with CatchInterrupt() as interrupt:
             try:
                 for chunk in stream:
                     _write(chunk.text)
                     pieces.append(chunk.text)
                     stats = chunk.stats
-                    if chunk.finish_reason == "stop" and chunk.token in stop_tokens:
+                    if chunk.stop:
                         break       # the end-of-turn token: the template writes its own
                     tokens.append(chunk.token)
                     # Stop once every token the session has fed is shown: a round may have
                     # committed a few tokens ahead of the stream, and they are already paid for.
                     if interrupt.hit and len(self.session.tokens) < len(ids) + len(tokens):
-                        stats = dict(stats, finish_reason="interrupted")
+                        stats.finish_reason = "interrupted"
                         break
-            except ValueError as e:   # e.g. the conversation no longer fits the context
-                print(f"error: {' '.join(str(e).split())} (/reset starts a new conversation)")
-                return
             finally:
                 stream.close()
         text = "".join(pieces)
-        if stats["finish_reason"] == "interrupted":
+        if stats.finish_reason == "interrupted":
             # the streaming detokenizer may hold back the end of a character: show it now
             full = self.pair.tokenizer.decode(tokens)
             if full.startswith(text):
                 _write(full[len(text):])
                 text = full
         print()
-        print(status_line(stats))
+        print(format_line(stats))
         self.conversation.add_turn(user, ids, tokens, text)
         self.turns.append(stats)
 
     def stats_text(self) -> str:
         if not self.turns:
             return "no answers yet"
-        t = self.turns
-        n = len(t[0]["acceptance_by_position"])
-        tested = [sum(s["tested_by_position"][i] for s in t) for i in range(n)]
-        accepted = [sum(round(s["acceptance_by_position"][i] * s["tested_by_position"][i])
-                        for s in t if s["tested_by_position"][i]) for i in range(n)]
-        rounds = sum(s["rounds"] for s in t)
-        decode_time = sum(sum(s["time"][k] for k in ("serial", "draft", "verify", "rollback",
-                                                     "other")) for s in t)
-        decoded = sum(max(s["generated_tokens"] - 1, 0) for s in t)
-        by_pos = " ".join(f"{a / k:.2f}" if k else "-" for a, k in zip(accepted, tested))
         return "\n".join([
-            f"turns: {len(t)}, context: {len(self.session.tokens)} tokens held by the session",
-            f"prompt tokens: {sum(s['prompt_tokens'] - s['reused_tokens'] for s in t)} "
-            f"prefilled, {sum(s['reused_tokens'] for s in t)} reused",
-            f"generated: {sum(s['generated_tokens'] for s in t)} tokens, "
-            f"{decoded / decode_time if decode_time else 0.0:.1f} tokens/s",
-            f"rounds: {rounds} speculative, {sum(s['serial_steps'] for s in t)} serial, "
-            f"mean accepted per round {sum(accepted) / rounds if rounds else 0.0:.2f}",
-            f"acceptance by position: {by_pos}",
-            f"peak memory: {t[-1]['peak_memory_gb']:.3f} GB (MLX), process peak RSS "
-            f"{t[-1]['peak_rss_gb']:.3f} GB",
-            f"last answer: {status_line(t[-1])}",
-        ])
+            f"turns: {len(self.turns)}, context: {len(self.session.tokens)} tokens held by the "
+            f"session", *format_stats(Stats.total(self.turns)),
+            f"last answer: {format_line(self.turns[-1])}"])
 
 
 def _read_block(first: str) -> str:

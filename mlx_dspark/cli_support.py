@@ -10,6 +10,7 @@ import argparse
 import signal
 
 from .integrity import VERIFY_LEVELS
+from .request import FLAGS, MODES, SEEDS, RequestError, check_sampling
 
 
 class CommandError(Exception):
@@ -51,7 +52,6 @@ def utf8_text(text: str, what: str) -> str:
 
 
 DTYPES = ("bfloat16", "float16", "float32")
-SPECULATIVE = ("auto", "on", "off")       # the API takes the same words
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
-    p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
+    p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
                    help="turn the chat template's reasoning on or off, where it has the switch")
@@ -137,8 +137,6 @@ def _at_least(low: int, high: int | None = None):
 
 _positive = _at_least(1)
 
-SEEDS = 1 << 64
-
 
 def _seed(s: str) -> int | None:
     """An argparse type: a seed in [0, 2**64), or -1 for a random one (llama.cpp's spelling)."""
@@ -157,15 +155,12 @@ def load_pair(args: argparse.Namespace):
     """The pair named by --model/--drafter/--dtype, or the embedded demo pair; the sampling
     options are checked first, so a typo costs no loading time."""
     from . import api
-    from .speculative import Sampler
 
-    try:
-        if hasattr(args, "temp"):          # generate, chat, bench (serve takes them per request)
-            Sampler(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
-    except ValueError as e:
-        raise CommandError(_one_line(e).replace("temperature", "--temp")
-                           .replace("top_p", "--top-p").replace("top_k", "--top-k")
-                           .replace("sampling must", "--sampling must")) from None
+    if hasattr(args, "temp"):          # generate, chat, bench (serve takes them per request)
+        try:
+            check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
+        except RequestError as e:
+            raise flag_error(e) from None
 
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
@@ -179,12 +174,6 @@ def load_pair(args: argparse.Namespace):
                         memory_check=not args.no_memory_check)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
-    if args.speculative == "on" and pair.drafter is None:
-        raise CommandError("--speculative on needs a drafter (--drafter DIR)")
-    most = pair.drafter.max_draft if pair.drafter is not None else None
-    if most is not None and args.num_draft > most:
-        raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
-                           f"{most} tokens per round (its block_size is {most + 1})")
     return pair
 
 
@@ -195,32 +184,22 @@ def require_chat_template(pair, args: argparse.Namespace) -> None:
                            f"--system-prompt or --reasoning for plain completion")
 
 
-def generation_kwargs(args: argparse.Namespace) -> dict:
+def request_options(args: argparse.Namespace) -> dict:
+    """The API keywords (:func:`mlx_dspark.api.make_request`) the sampling flags set."""
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
                 speculative=args.speculative, sampling=args.sampling)
 
 
+def flag_error(e: ValueError) -> CommandError:
+    """A refused request as one line that names the flag (request.FLAGS) instead of the API
+    keyword."""
+    text = _one_line(e)
+    flag = FLAGS.get(getattr(e, "param", None))
+    if flag is not None and text.startswith(e.param):
+        text = flag + text[len(e.param):]
+    return CommandError(text)
+
+
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def format_acceptance(stats: dict) -> str:
-    return " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
-
-
-def format_stats(stats: dict, requested: str) -> list[str]:
-    """The ``--stats`` summary: one ``name: value`` line each (README "## Commands")."""
-    prefilled = stats["prompt_tokens"] - stats["reused_tokens"]
-    return [
-        f"mode: {stats['mode']} (requested {requested}, {stats['mode_switches']} switches)",
-        f"prompt: {stats['prompt_tokens']} tokens, {prefilled} prefilled, "
-        f"{stats['prompt_tokens_per_s']:.1f} tokens/s",
-        f"generation: {stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s",
-        f"rounds: {stats['rounds']} speculative, {stats['serial_steps']} serial",
-        f"mean accepted per round: {stats['mean_accepted_per_round']:.2f}",
-        f"acceptance by position: {format_acceptance(stats)}",
-        f"finish: {stats['finish_reason']}",
-        f"peak memory: {stats['peak_memory_gb']:.3f} GB (MLX), process peak RSS "
-        f"{stats['peak_rss_gb']:.3f} GB",
-    ]

@@ -12,11 +12,13 @@ import argparse
 import os
 import sys
 
-from .cli_support import (SPECULATIVE, CatchInterrupt, CommandError, _at_least, _one_line,
-                          _positive, add_model_arguments, add_sampling_arguments,
-                          add_scheme_argument, add_stats_argument, add_system_prompt_argument,
-                          format_stats, generation_kwargs, load_pair, require_chat_template,
-                          utf8_text)
+from .stats import format_stats
+
+from .cli_support import (CatchInterrupt, CommandError, _at_least, _positive,
+                          add_model_arguments, add_sampling_arguments, add_scheme_argument,
+                          add_stats_argument, add_system_prompt_argument, flag_error, load_pair,
+                          request_options, require_chat_template, utf8_text)
+from .request import MODES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise CommandError(f"{flag} applies to the chat template: drop --ignore-chat-template")
     pair = load_pair(args)
     from . import api
-    from .tokenizer import encode_chat, template_options
+    from .tokenizer import template_options
 
     templated = getattr(pair.tokenizer, "has_chat_template", False) \
         and not args.ignore_chat_template
@@ -67,10 +69,16 @@ def run_generate(args: argparse.Namespace) -> int:
         require_chat_template(pair, args)
     if templated:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        prompt = encode_chat(pair.tokenizer, system + [{"role": "user", "content": prompt}],
-                             template_options(pair.tokenizer, args.reasoning))[0]
+        prompt = system + [{"role": "user", "content": prompt}]
+    try:      # the prompt does not fit the model, --num-draft beyond the drafter, ...
+        request = api.make_request(pair, prompt, chat=templated,
+                                   chat_template_kwargs=template_options(pair.tokenizer,
+                                                                         args.reasoning),
+                                   **request_options(args))
+        stream = api.stream(pair, request)
+    except ValueError as e:
+        raise flag_error(e) from None
     stats = None
-    stream = api.stream_generate(pair, prompt, **generation_kwargs(args))
     # Ctrl-C stops at the next token (a second one at once), so the stats stay whole.
     with CatchInterrupt(once=True) as interrupt:
         try:
@@ -79,23 +87,19 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 stats = chunk.stats
                 if interrupt.hit:
-                    stats = dict(stats, finish_reason="interrupted")
                     break
-        except ValueError as e:    # the prompt does not fit the model, a bad sampling value
-            raise CommandError(_one_line(e)) from None
         except KeyboardInterrupt:  # the second Ctrl-C, before a token came
             interrupt.hit = True
-            if stats is not None:
-                stats = dict(stats, finish_reason="interrupted")
         finally:
             stream.close()
+    if interrupt.hit and stats is not None:
+        stats.finish_reason = "interrupted"
     sys.stdout.write("\n")
     sys.stdout.flush()
     if interrupt.hit:
         print("mlx-dspark generate: interrupted", file=sys.stderr)
     if args.stats and stats is not None:
-        print("\n".join(["=========="] + format_stats(stats, args.speculative)),
-              file=sys.stderr)
+        print("\n".join(["=========="] + format_stats(stats)), file=sys.stderr)
     return 130 if interrupt.hit else 0
 
 
@@ -179,25 +183,31 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                         "earlier turns); 0 turns prefix reuse off (default 1024)")
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
-    p.add_argument("--speculative", choices=SPECULATIVE, default="auto",
+    p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .server import Engine, serve
+    from .engine import Engine
+    from .server import serve
 
-    decode = dict(num_draft=args.num_draft, speculative=args.speculative)
-    engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20, decode)
+    defaults = dict(num_draft=args.num_draft, speculative=args.speculative)
+    engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
+                    use_drafter=args.speculative != "off")
     engine.start()      # loads the pair on the engine's thread; CommandError comes back here
     code = 0
     try:
+        _check_serve_flags(engine.pair, args)
         serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
-              args.port, args.api_key)
+              args.port, args.api_key, defaults)
     except KeyboardInterrupt:
         print("mlx-dspark serve: interrupted", file=sys.stderr)
         code = 130
+    except CommandError as e:
+        print(f"mlx-dspark serve: error: {e}", file=sys.stderr)
+        code = 1
     finally:
         engine.stop()
     # Everything is stopped and flushed. The interpreter's own exit can still abort here
@@ -206,3 +216,12 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _check_serve_flags(pair, args: argparse.Namespace):
+    """What the server's every request would be refused for, refused once at start."""
+    if args.speculative == "on" and pair.drafter is None:
+        raise CommandError("--speculative on needs a drafter (--drafter DIR)")
+    if pair.drafter is not None and args.num_draft > pair.drafter.max_draft:
+        raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
+                           f"{pair.drafter.max_draft} tokens per round")

@@ -69,11 +69,11 @@ MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up ro
 class Controller:
     """Decides, before each decode step, whether it is a serial step or a speculative round.
 
-    ``forced`` is None for "auto", True/False to always/never speculate (estimates are still
-    kept, so stats can report them)."""
+    ``mode`` is the request's (``request.MODES``): "auto" decides, "on"/"off" always/never
+    speculate (estimates are still kept, so stats can report them)."""
 
     num_draft: int
-    forced: bool | None = None
+    mode: str = "auto"
     speculating: bool = True
     switches: int = 0
     probe_every: int = PROBE_MIN
@@ -132,8 +132,8 @@ class Controller:
 
     def speculate_next(self) -> bool:
         """True: run a speculative round next; False: a serial step."""
-        if self.forced is not None:
-            return self.forced
+        if self.mode != "auto":
+            return self.mode == "on"
         if len(self.serial_times) < MIN_SAMPLES:       # warm-up: serial first, then a round
             return len(self.serial_times) > len(self.round_ratios)
         if self.speculating:
@@ -171,7 +171,7 @@ class Controller:
             self.accepted[i] += 1.0 if i < num_accepted else 0.0
         if num_drafted == self.num_draft and self.t_serial is not None:
             _push(self.round_ratios, seconds / self.t_serial)
-        if self.forced is not None:
+        if self.mode != "auto":
             return
         if self.speculating:
             self._since += 1

@@ -161,10 +161,10 @@ class Drafter(nn.Module):
         # target is neither a parameter nor a child module of the drafter.
         object.__setattr__(self, "_target", target)
         self.gate_report = None
+        self._own = None          # the context of callers that use the drafter alone
         # Context rows any future query can still attend: with every layer windowed, tokens
         # older than the widest window never are again (None: some layer sees everything).
         self._context_keep = None if None in cfg.windows else max(cfg.windows) - 1
-        self.reset()
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -180,21 +180,28 @@ class Drafter(nn.Module):
             return self.embed_tokens.weight[ids].astype(self.dtype)
         return self._target.embed(ids).astype(self.dtype)
 
+    def make_cache(self) -> "DrafterCache":
+        """An empty context, owned by whoever decodes with it (a session)."""
+        return DrafterCache(len(self.layers), self.config.num_kv_heads, self.config.head_dim,
+                            self.dtype)
+
+    def _cache(self, cache):
+        """``cache``, or the drafter's own for callers that use it alone (tests, the
+        contract of docs/design.md §3); the decode loop always passes a session's."""
+        if cache is not None:
+            return cache
+        if self._own is None:
+            self._own = self.make_cache()
+        return self._own
+
     def reset(self):
-        """Forget all context."""
-        self.length = 0
-        empty = mx.zeros((1, self.config.num_kv_heads, 0, self.config.head_dim), self.dtype)
-        self._cache = [(empty, empty) for _ in self.layers]  # "_": not a parameter
+        """Forget the context of the drafter's own cache (sessions reset theirs)."""
+        self._own = None
 
-    def state(self):
-        """The context, for :meth:`set_state` (add_context replaces its arrays, never writes
-        into them, so the state stays valid while the drafter goes on). ``add_context``
-        leaves the arrays lazy: evaluating the state computes a pending catch-up."""
-        return self.length, tuple(self._cache)
-
-    def set_state(self, state):
-        self.length, cache = state
-        self._cache = list(cache)
+    @property
+    def length(self) -> int:
+        """Context tokens in the drafter's own cache."""
+        return self._cache(None).length
 
     def shared_embedding(self) -> mx.array:
         """The target's embedding table, read through ``target.embed`` in chunks."""
@@ -202,15 +209,14 @@ class Drafter(nn.Module):
         rows = [self._target.embed(mx.arange(s, min(s + 8192, v))) for s in range(0, v, 8192)]
         return mx.concatenate(rows)
 
-    @property
-    def cache_nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self._cache)
-
-    def add_context(self, taps: mx.array, start_pos: int):
-        """Commit taps ``[T, n_taps*hidden]`` of the tokens at positions start_pos.. ."""
-        if start_pos != self.length:
-            raise ValueError(f"add_context at position {start_pos}, but the drafter holds "
-                             f"{self.length} context tokens (contexts must be contiguous)")
+    def add_context(self, taps: mx.array, start_pos: int, cache: "DrafterCache | None" = None):
+        """Commit taps ``[T, n_taps*hidden]`` of the tokens at positions start_pos.. to
+        ``cache`` (default: the drafter's own)."""
+        cache = self._cache(cache)
+        if start_pos != cache.length:
+            raise ValueError(f"add_context at position {start_pos}, but the drafter's cache "
+                             f"holds {cache.length} context tokens (contexts must be "
+                             f"contiguous)")
         want = self.config.hidden_size * len(self.config.target_layer_ids)
         if taps.ndim != 2 or taps.shape[1] != want:
             raise ValueError(f"taps must be [T, {want}], got {tuple(taps.shape)}")
@@ -220,8 +226,8 @@ class Drafter(nn.Module):
             skip = taps.shape[0] - keep
             taps, start_pos = taps[skip:], start_pos + skip
         c = self.hidden_norm(self.fc(taps.astype(self.dtype)))[None]
-        cache = []
-        for layer, (ck, cv) in zip(self.layers, self._cache):
+        layers = []
+        for layer, (ck, cv) in zip(self.layers, cache.layers):
             k, v = layer.self_attn.context_kv(c, start_pos)
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
             window = layer.self_attn.window
@@ -229,30 +235,35 @@ class Drafter(nn.Module):
                 # The earliest future query (position `length`) sees keys > length - window.
                 start = max(0, k.shape[2] - (window - 1))
                 k, v = k[:, :, start:], v[:, :, start:]
-            cache.append((k, v))
-        self._cache = cache
-        self.length = start_pos + taps.shape[0]     # the skipped tokens count too
+            layers.append((k, v))
+        # New arrays, never writes into the old ones: a snapshot of the cache stays valid.
+        cache.layers = tuple(layers)
+        cache.length = start_pos + taps.shape[0]     # the skipped tokens count too
 
-    def block_logits(self, bonus, n: int) -> mx.array:
+    def block_logits(self, bonus, n: int, cache: "DrafterCache | None" = None) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
         cfg = self.config
+        cache = self._cache(cache)
+        length = cache.length
         ids = mx.concatenate([mx.array(bonus, dtype=mx.int32).reshape(1),
                               mx.full((n,), cfg.mask_token_id, dtype=mx.int32)])
         x = self._embed(ids)[None]
-        q_pos = mx.arange(self.length, self.length + n + 1)
+        q_pos = mx.arange(length, length + n + 1)
         masks = {}       # layers with the same window and context share one mask
-        for layer, (ck, cv) in zip(self.layers, self._cache):
+        for layer, (ck, cv) in zip(self.layers, cache.layers):
             key = (ck.shape[2], layer.self_attn.window)
             if key not in masks:
-                k_pos = mx.arange(self.length - ck.shape[2], self.length + n + 1)
+                k_pos = mx.arange(length - ck.shape[2], length + n + 1)
                 masks[key] = window_mask(q_pos, k_pos, layer.self_attn.window)
-            x = layer(x, self.length, ck, cv, masks[key])
+            x = layer(x, length, ck, cv, masks[key])
         h = self.norm(x[0, 1:])
         return self._target.lm_head(h).astype(mx.float32)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None):
-        """Draft ``n`` tokens after ``bonus`` (which sits at position ``length``).
+                top_k: int = 0, noise: mx.array | None = None,
+                cache: "DrafterCache | None" = None):
+        """Draft ``n`` tokens after ``bonus``, which sits at the position after ``cache``'s
+        context (default: the drafter's own cache).
 
         ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
         noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
@@ -261,7 +272,7 @@ class Drafter(nn.Module):
         if not 1 <= n < self.config.block_size:
             raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
                              f"tokens (block_size {self.config.block_size})")
-        u = self.block_logits(bonus, n)
+        u = self.block_logits(bonus, n, cache)
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
         return self._draws(u, prev, noise, temperature, top_p, top_k)
 
@@ -276,6 +287,35 @@ class Drafter(nn.Module):
             tokens.append(prev)
             logits.append(z)
         return mx.concatenate(tokens), mx.concatenate(logits)
+
+
+class DrafterCache:
+    """The drafter's context: per layer the keys and values of the committed tokens a future
+    query can still see, and ``length``, the context tokens seen (skipped ones included).
+
+    Made by :meth:`Drafter.make_cache` and owned by a session, as the target's cache is.
+    ``add_context`` replaces the arrays and never writes into them, so a snapshot is the
+    references themselves, valid while the cache goes on."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype):
+        empty = mx.zeros((1, kv_heads, 0, head_dim), dtype)
+        self.layers = tuple((empty, empty) for _ in range(num_layers))
+        self.length = 0
+
+    def snapshot(self):
+        """This state, for :meth:`restore` (lazy arrays: evaluating it computes a pending
+        catch-up)."""
+        return self.length, self.layers
+
+    def restore(self, state):
+        self.length, self.layers = state
+
+    def arrays(self) -> list[mx.array]:
+        return [x for kv in self.layers for x in kv]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.arrays())
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,31 +15,69 @@ decoding is the case ``g = 0``. Two schemes choose the noise (docs/design.md §7
 
 from __future__ import annotations
 
-import math
+import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-SCHEMES = ("reproducible", "rejection")
-# The default: rejection sampling, because the coupled scheme accepted 20 % fewer tokens per
-# round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed to cost
-# (docs/sampling.md has the table and the command).
-DEFAULT_SCHEME = "rejection"
+from .request import DEFAULT_SCHEME, Request, check_sampling
 
 
-def check_params(temperature, top_p, top_k, scheme: str = DEFAULT_SCHEME):
-    """Refuse sampling parameters outside their meaning (mlx-lm's: top_p 0 or 1 and top_k 0
-    are "off", temperature 0 is greedy), one line naming the parameter."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
-                         f"not {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) \
-            or not 0 <= top_p <= 1:          # NaN fails the comparison too
-        raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), not {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), not {top_k!r}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"sampling must be one of {', '.join(SCHEMES)}, not {scheme!r}")
+@dataclass(frozen=True)
+class Sampler:
+    """How tokens are chosen; the same warping applies to target and draft distributions.
+
+    ``scheme`` (``request.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
+    every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
+    but reproduces only in distribution. Both are exact samplers of the warped target;
+    greedy (temperature 0) is the same in both."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    scheme: str = DEFAULT_SCHEME
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_p, self.top_k, self.scheme)
+
+    @classmethod
+    def of(cls, request: Request) -> "Sampler":
+        return cls(request.temperature, request.top_p, request.top_k, request.sampling)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
+        """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
+        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise)
+
+    def warp(self, logits: mx.array) -> mx.array:
+        return warp(logits, self.temperature, self.top_p, self.top_k)
+
+
+class Noise:
+    """The Gumbel noise of one decode call: by absolute position ("reproducible"), fresh from
+    a key split per use ("rejection"), or none (greedy)."""
+
+    def __init__(self, sampler: Sampler, seed: int | None):
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self.sampler = sampler
+        self.word = seed_word(seed)
+        self.key = mx.random.key(seed % 2 ** 64)
+
+    def next_key(self):
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def at(self, start: int, n: int, vocab: int) -> mx.array | None:
+        """Noise ``[n, vocab]`` for the tokens at positions start..start+n-1."""
+        if self.sampler.greedy:
+            return None
+        if self.sampler.scheme == "reproducible":
+            return position_noise(self.word, start, n, vocab)
+        return mx.random.gumbel((n, vocab), key=self.next_key())
 
 
 def log_warp(logits: mx.array, temperature: float, top_p: float = 1.0,

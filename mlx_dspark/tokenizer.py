@@ -11,6 +11,8 @@ from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
 
+from .request import RequestError
+
 
 def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
     """The checkpoint's tokenizer. Never runs code shipped with the checkpoint (and so never
@@ -39,11 +41,22 @@ def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
     return tokenizer
 
 
-def encode(tokenizer, prompt, chat: bool = False, options: dict | None = None) -> list[int]:
-    """Token ids for a prompt: a string, or a list of chat messages (dicts with role and
-    content). ``chat=True`` wraps a string as one user message; chat prompts go through the
-    checkpoint's chat template with the generation prompt appended, ``options`` (template
-    variables such as ``enable_thinking``) passed to it."""
+def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = None) -> list[int]:
+    """The one prompt encoder (API, CLI, chat, bench, server): token ids for a string, a list
+    of chat messages (dicts with role and content), a list of token ids (kept as they are)
+    or an ``mx.array`` of them. ``chat=True`` wraps a string as one user message; chat
+    prompts go through the checkpoint's chat template with the generation prompt appended,
+    ``options`` (template variables such as ``enable_thinking``) passed to it."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
+        prompt = prompt.tolist()         # an mx.array or NumPy array of ids, as mlx-lm takes
+        prompt = prompt if isinstance(prompt, list) else [prompt]
+    if not prompt:
+        raise RequestError("prompt", "empty prompt: give some text or at least one token id")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        return list(prompt)
+    if tokenizer is None:
+        raise RequestError("prompt", "text prompts need a tokenizer; this pair has none")
     if isinstance(prompt, str) and not chat:
         return list(tokenizer.encode(prompt))
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

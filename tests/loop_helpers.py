@@ -1,5 +1,5 @@
 """Serial references for the loop, controller and API tests (the tiny random models they run
-on: mlx_dspark.toy)."""
+on: mlx_dspark.testing.toy)."""
 
 from __future__ import annotations
 

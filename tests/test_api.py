@@ -8,7 +8,7 @@ import mlx_dspark as md
 from cli_pair import make_pair
 from loop_helpers import FixedCosts
 from mlx_dspark.speculative import Stats, decode
-from mlx_dspark.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "What is the capital of France?"]
 

@@ -385,13 +385,13 @@ def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
 
 def test_api_and_cli_share_one_chat_encoder_with_template_options(tokenizer):
     from mlx_dspark.chat import Conversation
-    from mlx_dspark.tokenizer import encode
+    from mlx_dspark.tokenizer import prompt_ids
 
     off = {"enable_thinking": False}
-    ids = encode(tokenizer, "Hi", chat=True, options=off)      # what stream_generate uses
+    ids = prompt_ids(tokenizer, "Hi", chat=True, options=off)      # what stream_generate uses
     assert tokenizer.decode(ids) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
     assert ids == Conversation(tokenizer, off).prompt("Hi")
-    assert encode(tokenizer, "Hi", chat=True) == Conversation(tokenizer, {}).prompt("Hi")
+    assert prompt_ids(tokenizer, "Hi", chat=True) == Conversation(tokenizer, {}).prompt("Hi")
 
 
 def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):

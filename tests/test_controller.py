@@ -6,9 +6,9 @@ import numpy as np
 
 from loop_helpers import FixedCosts, serial_greedy
 from mlx_dspark import controller as C
-from mlx_dspark.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Session, Stats, decode
-from mlx_dspark.toy import random_drafter, tiny_target
+from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 
 def simulate(steps, alpha, t_serial=1.0, t_round=1.5, n=3, seed=0):
@@ -75,12 +75,12 @@ def test_hysteresis_holds_the_mode_between_the_thresholds():
 
 
 def test_forced_modes_ignore_the_estimates():
-    for forced in (True, False):
-        c = C.Controller(3, forced=forced)
+    for mode in ("on", "off"):
+        c = C.Controller(3, mode=mode)
         for _ in range(20):
             c.observe_round(10.0, 3, 1, 0)
             c.observe_serial(1.0)
-            assert c.speculate_next() is forced
+            assert c.speculate_next() is (mode == "on")
 
 
 # --- on the real loop (tiny fp32 target; decisions come from measured wall times)

@@ -13,7 +13,7 @@ from target_helpers import quantize_like_modelopt
 from mlx_dspark.drafter import load_drafter
 from mlx_dspark.drafter_config import DrafterError
 from mlx_dspark.target import NemotronH, TargetConfig
-from mlx_dspark.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 FP32_TOL = 1e-5  # as in test_drafter.py
 

@@ -9,7 +9,7 @@ import pytest
 
 from mlx_dspark import speculative
 from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
-from mlx_dspark.toy import random_drafter, tiny_target
+from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 V = 97

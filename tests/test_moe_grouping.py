@@ -7,7 +7,7 @@ from target_helpers import twin_models
 
 from mlx_dspark import api
 from mlx_dspark.target import MoE, load_target
-from mlx_dspark.toy import tiny_config
+from mlx_dspark.testing.toy import tiny_config
 
 
 def equal_with_and_without_grouping(model, tokens, monkeypatch) -> bool:

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_dspark import api
 from mlx_dspark.prefix_cache import PrefixCache
 from mlx_dspark.target import KVCache
-from mlx_dspark.tokenizer import encode
+from mlx_dspark.tokenizer import prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def pair():
 
 
 def test_restored_snapshot_continues_exactly_as_a_cold_run(pair):
-    prompt = encode(pair.tokenizer, "import os\n" + "".join(
+    prompt = prompt_ids(pair.tokenizer, "import os\n" + "".join(
         f"def f{i}(x):\n    return x + {i}\n" for i in range(25)))
     session = pair.session()
     first = api.generate(pair, prompt, max_tokens=12, session=session, speculative=True)
@@ -31,7 +31,7 @@ def test_restored_snapshot_continues_exactly_as_a_cold_run(pair):
     # past 256 positions, the KV buffers have grown once; speculative rounds built the end
     assert len(snap.tokens) == len(prompt) + 11 > KVCache.STEP
     assert first.stats["rounds"] > 0
-    follow = list(snap.tokens) + [first.tokens[-1]] + encode(pair.tokenizer, "\nclass A:\n")
+    follow = list(snap.tokens) + [first.tokens[-1]] + prompt_ids(pair.tokenizer, "\nclass A:\n")
     cold = api.generate(pair, follow, max_tokens=24, speculative=True)
     for attempt in range(2):       # restoring does not use the snapshot up
         session.restore(snap)
@@ -42,7 +42,7 @@ def test_restored_snapshot_continues_exactly_as_a_cold_run(pair):
 
 def test_later_steps_never_change_a_snapshot(pair):
     session = pair.session()
-    api.generate(pair, encode(pair.tokenizer, "import os\n"), max_tokens=20, session=session,
+    api.generate(pair, prompt_ids(pair.tokenizer, "import os\n"), max_tokens=20, session=session,
                  speculative=True)
     kv = next(c for c in session.cache.layers if isinstance(c, KVCache))
     assert kv.offset < kv.keys.shape[2]     # room left: the next steps write into the buffer

@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 
 from mlx_dspark.controller import Controller
-from mlx_dspark.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.sampling import log_warp
 from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
-from mlx_dspark.toy import random_drafter, tiny_target
+from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 V = 97
 R = partial(Sampler, scheme="reproducible")

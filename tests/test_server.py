@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.server import launch
-from mlx_dspark.tokenizer import encode
+from mlx_dspark.testing.server import launch
+from mlx_dspark.tokenizer import prompt_ids
 
 KEY = "test-key"
 CHAT = "/v1/chat/completions"
@@ -101,7 +101,7 @@ def test_chat_greedy_equals_generate(client, pair, stream):
     text, finish, usage, stats = _chat(client, messages, stream, max_tokens=40, temperature=0)
     assert text == want.text
     assert usage.completion_tokens == len(want.tokens) == 40
-    assert usage.prompt_tokens == len(encode(pair.tokenizer, messages))
+    assert usage.prompt_tokens == len(prompt_ids(pair.tokenizer, messages))
     assert finish == "length"
     assert stats["generated_tokens"] == 40 and stats["rounds"] > 0   # speculative stats
 
@@ -154,7 +154,7 @@ def test_later_turns_reuse_the_prefix_and_equal_a_cold_start(client, pair):
         assert cached == stats["reused_tokens"]
         if turn:
             # at least the previous turn's prompt was held, and only the rest was prefilled
-            assert cached >= len(encode(pair.tokenizer, messages[:-2])), f"turn {turn}"
+            assert cached >= len(prompt_ids(pair.tokenizer, messages[:-2])), f"turn {turn}"
         else:
             assert cached == 0
         messages += [{"role": "assistant", "content": text},

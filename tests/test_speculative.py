@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 
 from loop_helpers import serial_greedy, top2_gap
-from mlx_dspark.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.speculative import Sampler, Session, Stats, decode
-from mlx_dspark.toy import random_drafter, tiny_target
+from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 # A greedy divergence is only legitimate where the target's own top-2 logits are this close:
 # the verify pass (N+1 positions) and a serial step compute the same math in a different

@@ -541,7 +541,7 @@ def main(argv=None) -> int:
     import sys
     import time
     ap = argparse.ArgumentParser(
-        prog="python -m mlx_dspark.synthetic",
+        prog="python -m mlx_dspark.testing.synthetic",
         description="Write a synthetic ModelOpt W4A16_NVFP4 export with NVIDIA Nemotron 3.5 "
                     "Lightning's shapes and quantization layout (random weights).")
     ap.add_argument("out")

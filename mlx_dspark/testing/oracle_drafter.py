@@ -8,8 +8,8 @@ position for content that changes), otherwise a different token. Under greedy ve
 the conditional acceptance at every position is therefore ``acceptance`` exactly in
 expectation, which is what the controller tests and the loop benchmark need.
 
-It implements the real drafter's API (``target_layer_ids``, ``max_draft``, ``reset``,
-``add_context``, ``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
+It implements what the loop calls on a drafter (``target_layer_ids``, ``max_draft``,
+``make_cache``, ``add_context``, ``propose``). ``inner`` (optional, a real drafter) is run alongside on every call and its
 proposals thrown away, so a round costs what a real drafter's round costs; ``draft_work``
 (optional, a function) is run on every proposal instead: a drafting cost the controller tests
 can choose, which slows down with the machine's load like real drafting does."""
@@ -28,39 +28,34 @@ class OracleDrafter:
         self.acceptance = acceptance if callable(acceptance) else (lambda pos: acceptance)
         self.inner = inner
         self.draft_work = draft_work
-        self.rng = np.random.default_rng(seed)   # not reseeded by reset: fresh coins every run
+        self.rng = np.random.default_rng(seed)   # one stream for every cache: fresh coins per run
         self._ids = list(inner.target_layer_ids) if inner is not None else list(target_layer_ids)
         self.max_draft = inner.max_draft if inner is not None else max_draft
-        self.reset()
 
     @property
     def target_layer_ids(self):
         return self._ids
 
-    def state(self):
-        return self.length, self.inner.state() if self.inner is not None else None
+    def make_cache(self) -> "OracleCache":
+        return OracleCache(self.inner.make_cache() if self.inner is not None else None)
 
-    def reset(self):
-        self.length = 0
+    def add_context(self, taps: mx.array, start_pos: int, cache: "OracleCache"):
+        if start_pos != cache.length:
+            raise ValueError(f"add_context at {start_pos}, but {cache.length} tokens held")
+        cache.length = start_pos + taps.shape[0]
         if self.inner is not None:
-            self.inner.reset()
-
-    def add_context(self, taps: mx.array, start_pos: int):
-        if start_pos != self.length:
-            raise ValueError(f"add_context at {start_pos}, but {self.length} tokens held")
-        self.length = start_pos + taps.shape[0]
-        if self.inner is not None:
-            self.inner.add_context(taps, start_pos)
+            self.inner.add_context(taps, start_pos, cache.inner)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise=None):
+                top_k: int = 0, noise=None, cache: "OracleCache" = None):
         if self.inner is not None:
-            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise))
+            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise,
+                                       cache.inner))
         if self.draft_work is not None:
             self.draft_work()
         tokens = []
         for j in range(1, n + 1):
-            pos = self.length + j
+            pos = cache.length + j
             right = self.reference[pos] if pos < len(self.reference) else 0
             if self.rng.random() < self.acceptance(pos):
                 tokens.append(right)
@@ -71,3 +66,22 @@ class OracleDrafter:
         logits = mx.full((n, self.vocab_size), -1e9, dtype=mx.float32)
         logits[mx.arange(n), mx.array(tokens)] = 0.0
         return mx.array(tokens, dtype=mx.int32), logits
+
+
+class OracleCache:
+    """The context length (all the oracle needs) and the inner drafter's cache."""
+
+    def __init__(self, inner):
+        self.length = 0
+        self.inner = inner
+
+    def snapshot(self):
+        return self.length, self.inner.snapshot() if self.inner is not None else None
+
+    def restore(self, state):
+        self.length, inner = state
+        if self.inner is not None:
+            self.inner.restore(inner)
+
+    def arrays(self) -> list:
+        return self.inner.arrays() if self.inner is not None else []

@@ -9,9 +9,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
-from . import drafter as D
-from . import drafter_config as DC
-from .target import NemotronH, TargetConfig
+from .. import drafter as D
+from .. import drafter_config as DC
+from ..target import NemotronH, TargetConfig
 
 
 def tiny_config(pattern="M*EM-E", **over) -> dict:

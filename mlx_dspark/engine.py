@@ -1,0 +1,158 @@
+"""The engine of ``mlx-dspark serve``: one thread that owns the pair and its session and runs
+one generation at a time, first come first served.
+
+A pair's session holds one target cache and one drafter cache, and MLX runs one stream of
+work; serving requests in turn keeps each generation exactly what ``generate()`` gives
+(batching several sequences into one forward is a later step). Every MLX call happens on this
+thread, loading included, so no lazy array crosses threads. Between requests the engine keeps
+session snapshots in a :class:`PrefixCache`, so a chat whose next turn resends the
+conversation prefills only the new tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from . import api
+from .openai_api import ApiError
+from .prefix_cache import PrefixCache
+from .request import Request
+from .session import Session
+
+log = logging.getLogger("mlx_dspark.serve")
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine; chunks (or an error) come back on ``out``."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, item):
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
+        except RuntimeError:        # the event loop is gone (shutdown): nobody is listening
+            self.cancelled.set()
+
+
+class Engine:
+    """The thread that owns the pair and serves jobs one at a time, in arrival order.
+
+    ``load()`` runs on the thread and returns the pair; ``max_queue`` jobs may wait while one
+    runs (more are refused); ``cache_bytes`` bounds the prefix cache (0: no reuse, every
+    request is prefilled from scratch); ``use_drafter`` False (a server that never
+    speculates) keeps the drafter out of the session, so no taps are collected."""
+
+    def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True):
+        self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
+        self.cache = PrefixCache(cache_bytes) if cache_bytes > 0 else None
+        self.pair = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._active = 0            # jobs submitted and not finished (waiting or running)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._current: Job | None = None
+        self.served = self.cancelled = 0    # generations finished, and stopped early
+        self._thread = threading.Thread(target=self._main, name="mlx-dspark-engine",
+                                        daemon=True)
+
+    def start(self):
+        """Start the thread and wait for the pair; a load error is raised here."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def cancel_all(self, reason: str):
+        """End every request with an error event: the waiting ones never start, the running
+        one stops at its next token."""
+        jobs = [self._current]
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job is not None:
+                job.cancelled.set()
+                job.emit("error", reason)
+
+    def stop(self):
+        """Cancel what is left and end the thread (the generation in flight stops at its next
+        token)."""
+        if self._thread.is_alive():
+            self.cancel_all("the server is shutting down")
+            self._jobs.put(None)
+            self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, job: Job):
+        with self._lock:
+            if self._active > self.max_queue:
+                raise ApiError(f"the server is busy: one generation is running and "
+                                   f"{self.max_queue} requests are waiting (--max-queue); "
+                                   f"retry later", status=503, type="server_error",
+                                   code="server_busy")
+            self._active += 1
+        self._jobs.put(job)
+
+    def _main(self):
+        try:
+            self.pair = self.load()
+            self.session = Session(self.pair.target,
+                                   self.pair.drafter if self.use_drafter else None,
+                                   home=self.pair)
+        except BaseException as e:        # reported by start() on the main thread
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
+        while (job := self._jobs.get()) is not None:
+            self._current = job
+            try:
+                if not job.cancelled.is_set():
+                    self._run(job)
+            except Exception as e:
+                log.exception("generation failed")
+                self.session.reset()          # the state may be half-updated
+                job.emit("error", f"generation failed: {type(e).__name__}")
+            finally:
+                self._current = None
+                with self._lock:
+                    self._active -= 1
+
+    def _run(self, job: Job):
+        session = self.session
+        snap = self.cache.find(job.request.prompt) if self.cache is not None else None
+        if snap is not None:
+            session.restore(snap)
+        else:
+            session.reset()
+        stream = api.stream(self.pair, job.request, session)
+        try:
+            for i, chunk in enumerate(stream):
+                job.emit("chunk", chunk)
+                if i == 0:
+                    self._remember()          # the prompt's state, before any answer token
+                if job.cancelled.is_set() and chunk.finish_reason is None:
+                    self.cancelled += 1
+                    break
+            else:
+                self.served += 1
+        finally:
+            stream.close()
+        self._remember()                      # prompt and answer: the next turn's prefix
+
+    def _remember(self):
+        if self.cache is not None and not self.cache.touch(self.session.tokens):
+            self.cache.add(self.session.snapshot())

@@ -1,0 +1,192 @@
+"""What a generation did, typed, and the one way it is printed (free of MLX).
+
+``speculative.decode`` fills a :class:`Stats` as it goes; every streamed chunk carries a copy
+(:meth:`Stats.snapshot`), the last one with the peak memory read once at the end. Consumers
+read its fields and properties; :meth:`Stats.as_dict` is for JSON (the server's ``dspark``
+field, ``bench --json``). For code written against the earlier dict, ``stats["name"]`` reads
+the same keys as ``as_dict()``.
+
+``accepted`` counts accepted drafts only; ``mean_accepted_per_round`` is accepted drafts per
+round (bonus excluded) and ``mean_tokens_per_round`` the tokens each round emitted (bonus
+included, = mean_accepted + 1 before any stop). A round is one lazy graph read once:
+``t_draft`` is the drafter's catch-up and building the drafts' graph, ``t_verify`` building
+the verify and waiting for the read (the drafter's and the target's compute), ``t_rollback``
+queuing the commit."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Stats(Mapping):
+    """Counters (token counts exclude the prompt) and wall times in seconds of one
+    generation."""
+
+    requested: str = "auto"       # the request's speculative mode
+    mode: str = "serial"          # what the controller was doing at the end
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
+    generated: int = 0
+    rounds: int = 0
+    serial_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tested_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    switches: int = 0
+    t_prefill: float = 0.0
+    t_serial: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_rollback: float = 0.0
+    t_round: float = 0.0
+    predicted_speedup: float | None = None
+    peak_memory_gb: float | None = None     # MLX's allocator, 10^9 bytes (set at the end)
+    peak_rss_gb: float | None = None        # the process's peak resident set (set at the end)
+    generations: int = 1          # how many generations these counts sum (Stats.total)
+
+    def snapshot(self) -> "Stats":
+        """A copy that later tokens do not change."""
+        snap = copy.copy(self)
+        snap.tested_by_position = list(self.tested_by_position)
+        snap.accepted_by_position = list(self.accepted_by_position)
+        return snap
+
+    # -- derived ----------------------------------------------------------------------------
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.generated
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """Per draft position, the share of the rounds that tested it that accepted it."""
+        return [a / t if t else None
+                for a, t in zip(self.accepted_by_position, self.tested_by_position)]
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        round_tokens = self.generated - self.serial_steps - min(self.generated, self.generations)
+        return round_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def decode_time(self) -> float:
+        return self.t_serial + self.t_round
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: a generation's first token comes from its prefill, so it counts the
+        rest."""
+        t, decoded = self.decode_time, self.generated - self.generations
+        return decoded / t if t > 0 and decoded > 0 else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prefilled_tokens / self.t_prefill if self.t_prefill else 0.0
+
+    @classmethod
+    def total(cls, runs: list["Stats"]) -> "Stats":
+        """Several generations as one (a chat's turns): counts and times add up; the mode,
+        finish reason and memory are the last run's."""
+        out = runs[-1].snapshot()
+        n = max(len(s.tested_by_position) for s in runs)
+        for name in ("prompt_tokens", "reused_tokens", "generated", "rounds", "serial_steps",
+                     "drafted", "accepted", "switches", "generations", "t_prefill", "t_serial", "t_draft",
+                     "t_verify", "t_rollback", "t_round"):
+            setattr(out, name, sum(getattr(s, name) for s in runs))
+        for name in ("tested_by_position", "accepted_by_position"):
+            setattr(out, name, [sum(getattr(s, name)[i] for s in runs
+                                    if i < len(getattr(s, name))) for i in range(n)])
+        return out
+
+    # -- JSON and the mapping view ---------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "requested": self.requested,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "generated_tokens": self.generated,
+            "rounds": self.rounds,
+            "serial_steps": self.serial_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_by_position": self.acceptance_by_position,
+            "tested_by_position": list(self.tested_by_position),
+            "accepted_by_position": list(self.accepted_by_position),
+            "mean_accepted_per_round": self.mean_accepted_per_round,
+            "mean_tokens_per_round": self.mean_tokens_per_round,
+            "mode_switches": self.switches,
+            "predicted_speedup": self.predicted_speedup,
+            "time": {
+                "prefill": self.t_prefill,
+                "serial": self.t_serial,
+                "draft": self.t_draft,
+                "verify": self.t_verify,
+                "rollback": self.t_rollback,
+                "other": self.t_round - self.t_draft - self.t_verify - self.t_rollback,
+            },
+            "tokens_per_s": self.tokens_per_s,
+            "prompt_tokens_per_s": self.prompt_tokens_per_s,
+            "peak_memory_gb": self.peak_memory_gb,
+            "peak_rss_gb": self.peak_rss_gb,
+        }
+
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+    def __iter__(self):
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def format_acceptance(stats: Stats) -> str:
+    return " ".join("-" if a is None else f"{a:.2f}" for a in stats.acceptance_by_position)
+
+
+def format_stats(stats: Stats) -> list[str]:
+    """The summary of ``generate --stats`` and ``chat``'s /stats: one ``name: value`` line
+    each (README "## Commands")."""
+    lines = [
+        f"mode: {stats.mode} (requested {stats.requested}, {stats.switches} switches)",
+        f"prompt: {stats.prompt_tokens} tokens, {stats.prefilled_tokens} prefilled, "
+        f"{stats.prompt_tokens_per_s:.1f} tokens/s",
+        f"generation: {stats.generated} tokens, {stats.tokens_per_s:.1f} tokens/s",
+        f"rounds: {stats.rounds} speculative, {stats.serial_steps} serial",
+        f"mean accepted per round: {stats.mean_accepted_per_round:.2f}",
+        f"acceptance by position: {format_acceptance(stats)}",
+        f"finish: {stats.finish_reason}",
+    ]
+    if stats.peak_memory_gb is not None:
+        lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB (MLX), process peak RSS "
+                     f"{stats.peak_rss_gb:.3f} GB")
+    return lines
+
+
+def format_line(stats: Stats) -> str:
+    """The same facts on one line (the chat's status after each answer)."""
+    return (f"[{stats.generated} tokens, {stats.tokens_per_s:.1f} tokens/s, "
+            f"accepted {stats.mean_accepted_per_round:.2f}/round "
+            f"({format_acceptance(stats)}), prompt {stats.prompt_tokens} tokens: "
+            f"{stats.prefilled_tokens} prefilled, {stats.reused_tokens} reused, {stats.mode}, "
+            f"{stats.finish_reason}]")

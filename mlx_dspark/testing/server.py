@@ -1,0 +1,31 @@
+"""A real ``mlx-dspark serve`` in a child process, for tests, benchmarks and scripts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def launch(flags=(), timeout: float = 60.0, **popen):
+    """Start ``mlx-dspark serve FLAGS`` in a child process on a free port of 127.0.0.1 and
+    wait until it answers ``/health``; returns the process and the base URL (for tests,
+    benchmarks and scripts that drive a real server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark.cli", "serve", "--port",
+                             str(port), *flags], **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"mlx-dspark serve {' '.join(flags)} did not start (exit status "
+                       f"{proc.wait()})")
