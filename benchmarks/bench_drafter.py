@@ -194,12 +194,14 @@ def main():
     drafter = Drafter(cfg, drafter_weights(cfg), target, dtype, share_embedding=True,
                       nvfp4=args.nvfp4)
     mx.eval(drafter.parameters())
-    drafter.add_context(mx.random.normal((args.context, H * 6)).astype(dtype), 0)
+    context = drafter.make_cache()       # the drafter's context, as a decoding session holds it
+    drafter.add_context(mx.random.normal((args.context, H * 6)).astype(dtype), 0, context)
     markov = median_time(lambda: drafter.markov_head(mx.array([11])), args.repeats)
     rows = []
     for n in range(1, 8):
         log(f"timing the drafter, N={n}")
-        rows.append((n, median_time(lambda: drafter.propose(11, n), args.repeats)))
+        rows.append((n, median_time(lambda: drafter.propose(11, n, cache=context),
+                                    args.repeats)))
 
     print(f"dtype {args.dtype}, nvfp4 {args.nvfp4 or 'default policy'}, context {args.context}, "
           f"median of {args.repeats}")

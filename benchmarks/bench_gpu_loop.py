@@ -19,6 +19,7 @@ tensor scales). Greedy; medians after a warm-up, implementations interleaved per
 
 import argparse
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -45,6 +46,53 @@ def primitives(*outs) -> int:
 def cache_arrays(spec, cache) -> list:
     """A target cache's arrays (the earlier version walked the cache in the loop module)."""
     return cache.arrays() if hasattr(cache, "arrays") else spec._arrays(cache)
+
+
+# The engines' own APIs: this version decodes ``decode(Session(target, drafter), Request(...))``
+# with the drafter's context in the session (``session.draft_cache``); the earlier one
+# (``--before``) took ``decode(target, drafter, prompt, ...)`` and kept the context in the
+# drafter (``drafter._cache``).
+
+
+def new_api(pkg) -> bool:
+    return importlib.util.find_spec(pkg.__name__ + ".request") is not None
+
+
+def make_session(pkg, target, drafter):
+    if new_api(pkg):
+        return importlib.import_module(pkg.__name__ + ".session").Session(target, drafter)
+    return importlib.import_module(pkg.__name__ + ".speculative").Session(target, drafter)
+
+
+def run_decode(pkg, target, drafter, prompt, tokens, speculative: bool):
+    """Decode ``prompt`` to ``tokens`` tokens, greedy, on a fresh session; returns the stats."""
+    spec = importlib.import_module(pkg.__name__ + ".speculative")
+    if not new_api(pkg):
+        stats = spec.Stats()
+        for _ in spec.decode(target, drafter, prompt, max_tokens=tokens,
+                             speculative=speculative, stats=stats):
+            pass
+        return stats
+    Request = importlib.import_module(pkg.__name__ + ".request").Request
+    stats = importlib.import_module(pkg.__name__ + ".stats").Stats()
+    request = Request(prompt, max_tokens=tokens, speculative=speculative)
+    for _ in spec.decode(make_session(pkg, target, drafter), request, stats):
+        pass
+    return stats
+
+
+def draft_tokens(session, bonus, n):
+    """The session's drafter proposes ``n`` tokens after ``bonus`` from the session's context."""
+    if hasattr(session, "draft_cache"):
+        return session.drafter.propose(bonus, n, cache=session.draft_cache)
+    return session.drafter.propose(bonus, n)
+
+
+def draft_arrays(session) -> list:
+    """The drafter context's arrays (the session's cache, or the earlier drafter's own)."""
+    if hasattr(session, "draft_cache"):
+        return session.draft_cache.arrays()
+    return [x for kv in session.drafter._cache for x in kv]
 
 
 class HostReads:
@@ -79,11 +127,7 @@ def engines(before_dir):
 
 
 def serial_rate(pkg, target, tokens) -> float:
-    spec = importlib.import_module(pkg.__name__ + ".speculative")
-    stats = spec.Stats()
-    for _ in spec.decode(target, None, PROMPT, max_tokens=tokens, speculative=False,
-                         stats=stats):
-        pass
+    stats = run_decode(pkg, target, None, PROMPT, tokens, speculative=False)
     return stats.as_dict()["tokens_per_s"]
 
 
@@ -98,15 +142,15 @@ def mlx_lm_rate(model, tokens) -> float:
 def count_graphs(pkg, target, drafter, n=3) -> dict:
     """Primitives of one serial step, one verify(n+1), one proposal(n) and one whole round."""
     spec = importlib.import_module(pkg.__name__ + ".speculative")
-    session = spec.Session(target, drafter)
+    session = make_session(pkg, target, drafter)
     mx.eval(spec.prefill(session, PROMPT, tap=True), session.pending)
     logits, taps = target.step(mx.array([[7]]), session.cache, tap_layers=session.tap_layers)
     step = primitives(mx.argmax(logits[0, -1]), taps)
     mx.eval(logits, taps)
     session.feed([7], taps)
     session.flush()
-    mx.eval(drafter._cache)
-    drafts, _ = drafter.propose(9, n)
+    mx.eval(draft_arrays(session))
+    drafts, _ = draft_tokens(session, 9, n)
     propose = primitives(drafts)
     mx.eval(drafts)
     v_logits, v_taps = target.verify(mx.array([[9] + drafts.tolist()]), session.cache,
@@ -125,7 +169,7 @@ def count_graphs(pkg, target, drafter, n=3) -> dict:
     evaluate, mx.eval = mx.eval, lambda *a: None    # the earlier version evaluated inside
     session.flush()
     mx.eval = evaluate
-    add_context = primitives(*[x for kv in drafter._cache for x in kv])
+    add_context = primitives(*draft_arrays(session))
     return {"serial_step": step, "propose": propose, "verify": verify, "accept": accept,
             "rollback": rollback, "add_context": add_context,
             "round": add_context + propose + verify + accept + rollback}
@@ -143,7 +187,7 @@ class RoundProfile:
     and the overhead beyond the round's parts timed one by one (cost model, docs/design.md §8)."""
 
     def __init__(self, pkg, tokens):
-        self.spec = importlib.import_module(pkg.__name__ + ".speculative")
+        self.pkg, self.spec = pkg, importlib.import_module(pkg.__name__ + ".speculative")
         pair = pkg.load()
         self.t, self.d, self.tokens = pair.target, pair.drafter, tokens
         self.prompt = pair.tokenizer.encode("def fibonacci(n):\n")
@@ -151,20 +195,17 @@ class RoundProfile:
 
     def measure(self):
         spec, t, d = self.spec, self.t, self.d
-        stats = spec.Stats()
         with HostReads() as h:
-            for _ in spec.decode(t, d, self.prompt, max_tokens=self.tokens, speculative=True,
-                                 stats=stats):
-                pass
+            stats = run_decode(self.pkg, t, d, self.prompt, self.tokens, speculative=True)
         self.rounds.append(stats.t_round / stats.rounds)
         self.reads.append((h.count - 1) / stats.rounds)      # minus the prefill's read
         # the parts, each evaluated alone: propose(3), verify(4), rollback to 2 positions
-        session = spec.Session(t, d)
+        session = make_session(self.pkg, t, d)
         mx.eval(spec.prefill(session, self.prompt, tap=True), session.pending)
         session.flush()
         for _ in range(8):
             t0 = time.perf_counter()
-            drafts, _ = d.propose(9, 3)
+            drafts, _ = draft_tokens(session, 9, 3)
             mx.eval(drafts)
             t1 = time.perf_counter()
             lg, tp = t.verify(mx.array([[9] + drafts.tolist()]), session.cache,

@@ -17,7 +17,7 @@ import json
 import sys
 
 from mlx_dspark.bench_cli import PROMPTS, measure
-from mlx_dspark.commands import load_pair
+from mlx_dspark.cli_support import load_pair
 
 SCHEMES = ("reproducible", "rejection")
 
@@ -33,8 +33,9 @@ def main():
                     help="round cost in serial steps on the GPU-like profile (default 1.25)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    base = dict(model=None, drafter=None, dtype=None, speculative="auto", top_k=0,
-                max_tokens=a.max_tokens, num_draft=a.num_draft, repeats=a.repeats)
+    base = dict(model=None, drafter=None, dtype=None, verify="auto", no_memory_check=False,
+                speculative="auto", top_k=0, max_tokens=a.max_tokens, num_draft=a.num_draft,
+                repeats=a.repeats)
     pair = load_pair(argparse.Namespace(**base, temp=0.0, top_p=1.0, sampling=SCHEMES[0]))
     prompts = [(d, p) for d in PROMPTS for p in PROMPTS[d]]
     rows = []

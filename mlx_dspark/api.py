@@ -125,7 +125,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 tokenizer=load_tokenizer(model, target.config.vocab_size))
 
 
-def make_request(pair: Pair, prompt, max_tokens: int = 256, temperature: float = 0.0,
+def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, sampling: str = "rejection",
@@ -136,15 +136,16 @@ def make_request(pair: Pair, prompt, max_tokens: int = 256, temperature: float =
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
     return Request(prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs),
-                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
                    thinking_token_budget=thinking_token_budget)
 
 
-def stream_generate(pair: Pair, prompt, max_tokens: int = 256, *,
+def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
                     session: Session | None = None, **options) -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
+    ``max_tokens``: most tokens to generate (default 256).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
     list of chat messages, a list of token ids used verbatim, or a :class:`Request` (then no
@@ -161,8 +162,9 @@ def stream_generate(pair: Pair, prompt, max_tokens: int = 256, *,
 
     ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
     if isinstance(prompt, Request):
-        if options:
-            raise TypeError(f"a Request carries every option; got {', '.join(options)} too")
+        given = [*options] + (["max_tokens"] if max_tokens is not None else [])
+        if given:
+            raise TypeError(f"a Request carries every option; got {', '.join(given)} too")
         request = prompt
     else:
         request = make_request(pair, prompt, max_tokens, **options)
@@ -211,7 +213,7 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
         tokens.close()
 
 
-def generate(pair: Pair, prompt, max_tokens: int = 256, **kwargs) -> Result:
+def generate(pair: Pair, prompt, max_tokens: int | None = None, **kwargs) -> Result:
     """Generate and return the whole result (same arguments as ``stream_generate``)."""
     text, tokens, stats = [], [], None
     for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):

@@ -18,6 +18,7 @@ import sys
 import time
 
 from .cli_support import CommandError, flag_error, load_pair
+from .stats import format_positions
 
 # Short prompts written for this benchmark. Code prompts are completions (the demo pair is a
 # code model); math and chat prompts go through the chat template when the model has one.
@@ -219,7 +220,7 @@ def table(report: dict) -> str:
         lines.append(
             f"{name:8}{d['prompts']:>8}{t['serial']:>9.1f}{t['speculative']:>9.1f}"
             f"{_x(d['speedup']):>9}{t['auto']:>9.1f}{_x(d['auto_vs_serial']):>9}"
-            f"{d['mean_tokens_per_round']:>8.2f}  {_positions(d['acceptance_by_position'])}")
+            f"{d['mean_tokens_per_round']:>8.2f}  {format_positions(d['acceptance_by_position'])}")
     o, b = report["overall"], report["bandwidth"]
     ms = o["round_ms"]
     lines += [
@@ -281,10 +282,6 @@ def _x(v) -> str:
 
 def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def _positions(acc) -> str:
-    return " ".join("-" if a is None else f"{a:.2f}" for a in acc)
 
 
 def _short(text: str) -> str:

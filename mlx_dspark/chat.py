@@ -18,7 +18,7 @@ from . import api
 from .cli_support import CatchInterrupt, CommandError, flag_error, request_options, utf8_text
 from .request import SEEDS
 from .stats import Stats, format_line, format_stats
-from .tokenizer import _encode, template_options
+from .tokenizer import _encode, prompt_ids, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
@@ -54,7 +54,7 @@ class Conversation:
             at = text.rfind(self.ANSWER)
             if at >= 0:
                 return self.ids + _encode(self.tokenizer, text[at + len(self.ANSWER):])
-        return _encode(self.tokenizer, self._render(self.messages + [new]))
+        return prompt_ids(self.tokenizer, self.messages + [new], True, self.options)
 
     def _render(self, messages) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,

@@ -160,8 +160,13 @@ class Stats(Mapping):
 # Printing
 
 
+def format_positions(shares) -> str:
+    """Acceptance by draft position as ``0.61 0.70 -`` (``-``: never tested)."""
+    return " ".join("-" if a is None else f"{a:.2f}" for a in shares)
+
+
 def format_acceptance(stats: Stats) -> str:
-    return " ".join("-" if a is None else f"{a:.2f}" for a in stats.acceptance_by_position)
+    return format_positions(stats.acceptance_by_position)
 
 
 def format_stats(stats: Stats) -> list[str]:

@@ -6,11 +6,20 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_dspark.controller import Controller
+from mlx_dspark.request import Request
+from mlx_dspark.session import Session
 from mlx_dspark.speculative import decode
 
 
 def serial_greedy(target, prompt, max_tokens) -> list[int]:
-    return list(decode(target, None, prompt, max_tokens=max_tokens, speculative=False))
+    return list(decode(Session(target), Request(prompt, max_tokens=max_tokens,
+                                                speculative="off")))
+
+
+def sampler_fields(sampler) -> dict:
+    """A :class:`~mlx_dspark.sampling.Sampler`'s settings as :class:`Request` fields."""
+    return dict(temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
+                sampling=sampler.scheme)
 
 
 def top2_gap(target, tokens) -> float:

@@ -7,7 +7,10 @@ import pytest
 import mlx_dspark as md
 from cli_pair import make_pair
 from loop_helpers import FixedCosts
-from mlx_dspark.speculative import Stats, decode
+from mlx_dspark.request import Request, RequestError
+from mlx_dspark.session import Session
+from mlx_dspark.speculative import decode
+from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "What is the capital of France?"]
@@ -103,13 +106,13 @@ def test_speculative_greedy_equals_serial_greedy_on_an_nvfp4_target(pair, n):
     vocab = pair.target.config.vocab_size
     for prompt in PROMPTS:
         ids = pair.tokenizer.encode(prompt)
-        ref = list(decode(pair.target, None, ids, max_tokens=24, speculative=False))
+        ref = list(decode(Session(pair.target), Request(ids, max_tokens=24, speculative="off")))
         oracle = OracleDrafter(ids + ref, vocab, 0.6, seed=n,
                                target_layer_ids=pair.drafter.target_layer_ids)
         for drafter in (pair.drafter, oracle):
             stats = Stats()
-            out = list(decode(pair.target, drafter, ids, max_tokens=24, num_draft=n,
-                              speculative=True, stats=stats))
+            out = list(decode(Session(pair.target, drafter),
+                              Request(ids, max_tokens=24, num_draft=n, speculative="on"), stats))
             assert out == ref
             assert stats.rounds > 0
 
@@ -190,8 +193,12 @@ def test_a_seed_gives_the_same_text_in_every_mode_with_reproducible_sampling(pai
     assert len(texts) == 1
 
 
-def test_any_integer_seed_is_accepted_modulo_two_to_the_64(pair):
+def test_seeds_are_integers_in_zero_to_two_to_the_64(pair):
+    # The API once reduced any integer seed mod 2**64; a Request now takes [0, 2**64) only
+    # (docs/sampling.md), and refuses the rest naming the seed.
     kw = dict(max_tokens=8, temperature=1.0, speculative=False)
-    assert md.generate(pair, PROMPTS[0], seed=2 ** 64, **kw).tokens == \
-        md.generate(pair, PROMPTS[0], seed=0, **kw).tokens
-    assert len(md.generate(pair, PROMPTS[0], seed=-1, **kw).tokens) == 8
+    assert len(md.generate(pair, PROMPTS[0], seed=2 ** 64 - 1, **kw).tokens) == 8
+    for bad in (2 ** 64, -1):
+        with pytest.raises(RequestError, match=r"^seed must be an integer in \[0, 2\*\*64\)") as e:
+            md.generate(pair, PROMPTS[0], seed=bad, **kw)
+        assert e.value.param == "seed"

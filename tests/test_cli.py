@@ -90,9 +90,9 @@ def test_chat_second_turn_prefills_only_the_new_message_and_reset_prefills_all(p
     assert 0 < second["prefilled"] < len("</s>\n<|user|>\nAnd of Italy?\n<|assistant|>\n") + 16
 
     child.sendline("/stats")
-    child.expect(r"prompt tokens: (\d+) prefilled, (\d+) reused")
-    assert int(child.match.group(1)) == first["prefilled"] + second["prefilled"]
-    assert int(child.match.group(2)) == second["reused"]
+    child.expect(r"prompt: (\d+) tokens, (\d+) prefilled")     # the --stats lines, summed
+    assert int(child.match.group(1)) == first["prompt"] + second["prompt"]
+    assert int(child.match.group(2)) == first["prefilled"] + second["prefilled"]
     child.expect(r"peak memory: ([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB")
     assert float(child.match.group(1)) > 0 and float(child.match.group(2)) > 0
     child.expect(">>> ")

@@ -6,8 +6,11 @@ import numpy as np
 
 from loop_helpers import FixedCosts, serial_greedy
 from mlx_dspark import controller as C
+from mlx_dspark.request import Request
+from mlx_dspark.session import Session
+from mlx_dspark.speculative import decode
+from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.speculative import Session, Stats, decode
 from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 
@@ -92,8 +95,8 @@ PROMPT = [3, 14, 15, 92, 65]
 def auto(target, drafter, max_tokens, num_draft, round_cost, stats):
     session = Session(target, drafter)
     session.controller = FixedCosts(num_draft, round_cost)
-    return list(decode(target, drafter, PROMPT, max_tokens=max_tokens, num_draft=num_draft,
-                       stats=stats, session=session))
+    return list(decode(session, Request(PROMPT, max_tokens=max_tokens, num_draft=num_draft),
+                       stats))
 
 
 def test_auto_with_a_random_weight_drafter_ends_serial():

@@ -173,15 +173,16 @@ def test_own_embedding_is_kept_and_used_when_it_differs(tmp_path, ref):
 
 def test_context_memory_stays_flat_past_the_window():
     d = load_drafter(tiny.DRAFTER, tiny.ArrayTarget(), dtype=mx.float32)
+    cache = d.make_cache()                  # a session's cache, as the decode loop passes it
     sizes, active = [], []
     taps = mx.array(np.tile(TAPS.astype(np.float32), (10, 1)))  # 240 tokens
     for p in range(taps.shape[0]):
-        d.add_context(taps[p:p + 1], p)
-        tokens, z = d.propose(1, 3)
+        d.add_context(taps[p:p + 1], p, cache)
+        tokens, z = d.propose(1, 3, cache=cache)
         mx.eval(tokens, z)
-        sizes.append(d.cache_nbytes)
+        sizes.append(cache.nbytes)
         active.append(mx.get_active_memory())
-    per_token = d.cache_nbytes // (tiny.WINDOW - 1)
+    per_token = cache.nbytes // (tiny.WINDOW - 1)
     assert sizes[tiny.WINDOW - 2] == sizes[-1] == per_token * (tiny.WINDOW - 1)
     assert sizes[1] == 2 * per_token  # below the window, it grows with the context
     assert max(active[50:]) - min(active[50:]) < 64 * 1024  # no growth over 190 more tokens
@@ -198,5 +199,9 @@ def test_contexts_must_be_contiguous_and_blocks_fit_block_size():
         with pytest.raises(ValueError, match="1..7"):
             d.propose(1, n)
     assert d.target_layer_ids == tiny.TAPS
+    # each cache checks its own contiguity: a fresh one starts at 0 whatever the own one holds
+    other = d.make_cache()
+    d.add_context(mx.array(TAPS[:2].astype(np.float32)), 0, other)
+    assert other.length == 2 and d.length == 4
     d.reset()
-    assert d.length == 0 and d.cache_nbytes == 0
+    assert d.length == 0 and d._cache(None).nbytes == 0

@@ -41,26 +41,27 @@ def test_rounds_with_real_target_taps_match_reference(nvfp4):
     t = read_safetensors(tiny.TARGET)
     ref = ReferenceDrafter(tiny.DRAFTER, t["embed.weight"], t["lm_head.weight"])
 
-    cache = target.make_cache()
+    cache, context = target.make_cache(), d.make_cache()   # as a session holds them
     prompt = mx.array([[3, 17, 99, 4, 250, 8, 8, 61, 130]])
     logits, taps = target.step(prompt, cache, tap_layers=d.target_layer_ids)
     assert taps.shape == (9, tiny.HIDDEN * len(tiny.TAPS))
-    d.add_context(taps, 0)
+    d.add_context(taps, 0, context)
     history = [np.array(taps, dtype=np.float64)]
     bonus = int(mx.argmax(logits[0, -1]))
     for accepted in (2, 0, 3, 1):  # a few rounds, each keeping a different prefix
-        drafts, z = d.propose(bonus, 3)
+        drafts, z = d.propose(bonus, 3, cache=context)
         want_tokens, want_z = ref.propose(np.concatenate(history), bonus, 3)
         assert np.array(drafts).tolist() == want_tokens.tolist()
         assert float(np.abs(np.array(z) - want_z).max() / np.abs(want_z).max()) < FP32_TOL
         block = mx.concatenate([mx.array([bonus]), drafts])[None]
         vlogits, vtaps = target.verify(block, cache, tap_layers=d.target_layer_ids)
         target.commit(cache, accepted + 1)
-        d.add_context(vtaps[:accepted + 1], d.length)
+        d.add_context(vtaps[:accepted + 1], context.length, context)
         history.append(np.array(vtaps[:accepted + 1], dtype=np.float64))
         bonus = int(mx.argmax(vlogits[0, accepted]))
-    assert d.length == 9 + 3 + 1 + 4 + 2  # past the 5-key window: the cache stays at 4 keys
-    assert d.cache_nbytes == 2 * 2 * tiny.KV_HEADS * (tiny.WINDOW - 1) * tiny.HEAD_DIM * 4
+    assert context.length == 9 + 3 + 1 + 4 + 2  # past the 5-key window: the cache stays at 4 keys
+    assert context.nbytes == 2 * 2 * tiny.KV_HEADS * (tiny.WINDOW - 1) * tiny.HEAD_DIM * 4
+    assert d.length == 0                        # the drafter's own cache was never touched
 
 
 def test_drafter_for_a_shallower_or_wider_target_is_refused():

@@ -12,7 +12,9 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark import cli
-from mlx_dspark.speculative import Sampler, decode
+from mlx_dspark.request import Request, RequestError
+from mlx_dspark.session import Session
+from mlx_dspark.speculative import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):\n"
@@ -120,7 +122,17 @@ def test_speculative_takes_the_cli_words_in_python(pair):
     assert on.tokens == md.generate(pair, PROMPT, max_tokens=16, speculative=True).tokens
     assert on.stats["rounds"] > 0 and off.stats["rounds"] == 0
     assert on.tokens == off.tokens                         # greedy: lossless
-    assert pair.session("off").drafter is None and pair.session("on").drafter is pair.drafter
+    # The mode belongs to each call: a session takes none (a legacy one warns and is
+    # ignored) and always carries the pair's drafter; one without a drafter refuses "on".
+    assert pair.session().drafter is pair.drafter
+    with pytest.warns(DeprecationWarning, match="no longer takes a mode"):
+        assert pair.session("off").drafter is pair.drafter
+    assert md.generate(pair, PROMPT, max_tokens=16, speculative="off",
+                       session=pair.session()).tokens == off.tokens
+    with pytest.raises(RequestError, match="speculative 'on' needs a drafter") as e:
+        md.generate(pair, PROMPT, max_tokens=4, speculative="on",
+                    session=Session(pair.target, home=pair))
+    assert e.value.param == "speculative"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="'auto', 'on', 'off', True or False"):
             md.generate(pair, PROMPT, max_tokens=4, speculative=bad)
@@ -128,11 +140,13 @@ def test_speculative_takes_the_cli_words_in_python(pair):
 
 def test_dir_lists_the_public_api():
     names = ["load", "generate", "stream_generate", "load_target", "load_drafter", "Pair",
-             "Result", "Chunk", "__version__"]
+             "Result", "Chunk", "Request", "Session", "Stats", "__version__"]
     assert set(names) <= set(dir(md)) and set(md.__all__) == set(names)
     for name in md.__all__:
         assert getattr(md, name) is not None
     assert md.Chunk.__module__ == "mlx_dspark.api"
+    assert md.Request is Request and md.Session is Session
+    assert md.Stats.__module__ == "mlx_dspark.stats"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +161,9 @@ def expected(pair, prompt, max_tokens, speculative, stop):
     strings = [s for s in stop if isinstance(s, str)]
     stop_ids = set(tok.eos_token_ids) | {s for s in stop if isinstance(s, int)}
     ids = list(tok.encode(prompt))
-    raw = list(decode(pair.target, pair.drafter, ids, max_tokens=max_tokens, sampler=Sampler(),
-                      speculative=speculative, stop_tokens=stop_ids))
+    raw = list(decode(Session(pair.target, pair.drafter),
+                      Request(ids, max_tokens=max_tokens, speculative=speculative,
+                              stop_tokens=stop_ids)))
     if raw and raw[-1] in stop_ids:
         raw.pop()
     for k in range(1, len(raw) + 1):
@@ -207,7 +222,7 @@ def test_a_held_back_tail_comes_with_the_last_tokens_chunk(pair):
 def test_decode_names_the_finish_reason_just_before_the_last_token(speculative):
     # what lets stream_generate put the finish reason on the last token's chunk, for each way
     # a run ends: max_tokens, the context limit, a stop token
-    from mlx_dspark.speculative import Stats
+    from mlx_dspark.stats import Stats
     from mlx_dspark.testing.toy import random_drafter, tiny_target
     target = tiny_target(max_position_embeddings=24)
     drafter = random_drafter(target)
@@ -216,7 +231,8 @@ def test_decode_names_the_finish_reason_just_before_the_last_token(speculative):
     def run(**kwargs):
         stats = Stats()
         seen = [(t, stats.finish_reason) for t in decode(
-            target, drafter, prompt, speculative=speculative, stats=stats, **kwargs)]
+            Session(target, drafter), Request(prompt, speculative=speculative, **kwargs),
+            stats)]
         return [t for t, _ in seen], [f for _, f in seen]
 
     tokens, reasons = run(max_tokens=6)

@@ -7,8 +7,13 @@ to the host."""
 import mlx.core as mx
 import pytest
 
+from loop_helpers import sampler_fields
 from mlx_dspark import speculative
-from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
+from mlx_dspark.request import Request
+from mlx_dspark.sampling import Noise, Sampler
+from mlx_dspark.session import Session
+from mlx_dspark.speculative import decode
+from mlx_dspark.stats import Stats
 from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -35,14 +40,14 @@ def unpipelined(target, prompt, n, sampler, seed):
                                      Sampler(1.0, top_p=0.9, scheme="rejection")],
                          ids=["greedy", "reproducible", "rejection"])
 def test_pipelined_serial_decoding_gives_the_unpipelined_tokens(target, sampler):
-    out = list(decode(target, None, PROMPT, max_tokens=20, speculative=False, sampler=sampler,
-                      seed=5))
+    out = list(decode(Session(target), Request(PROMPT, max_tokens=20, speculative="off",
+                                               seed=5, **sampler_fields(sampler))))
     assert out == unpipelined(target, PROMPT, 20, sampler, 5)
 
 
 def test_closing_the_stream_early_undoes_the_step_queued_ahead(target):
     session = Session(target)
-    stream = decode(target, None, PROMPT, max_tokens=20, speculative=False, session=session)
+    stream = decode(session, Request(PROMPT, max_tokens=20, speculative="off"))
     first = [next(stream) for _ in range(6)]
     stream.close()                       # e.g. a stop string found in the text
     assert session.cache.offset == len(session.tokens) == len(PROMPT) + 5
@@ -92,8 +97,9 @@ def test_a_speculative_round_blocks_at_most_twice_and_once_while_speculating(
 
     monkeypatch.setattr(speculative, "_round", counted_round)
     stats = Stats()
-    list(decode(target, drafter, PROMPT, max_tokens=24, num_draft=3, speculative=True,
-                sampler=sampler, seed=1, stats=stats))
+    list(decode(Session(target, drafter),
+                Request(PROMPT, max_tokens=24, num_draft=3, speculative="on", seed=1,
+                        **sampler_fields(sampler)), stats))
     assert len(per_round) == stats.rounds > 3
     assert per_round[0] == 2             # the prompt's catch-up, then the round's one read
     assert set(per_round[1:]) == {1}
@@ -102,7 +108,7 @@ def test_a_speculative_round_blocks_at_most_twice_and_once_while_speculating(
 def test_a_serial_step_blocks_once(target, monkeypatch):
     reads = HostReads(monkeypatch)
     stats = Stats()
-    list(decode(target, None, PROMPT, max_tokens=24, speculative=False, stats=stats))
+    list(decode(Session(target), Request(PROMPT, max_tokens=24, speculative="off"), stats))
     assert stats.serial_steps == 23 and reads.count == 1 + 23     # + the prefill's token
 
 

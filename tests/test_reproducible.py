@@ -10,10 +10,14 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
+from loop_helpers import sampler_fields
 from mlx_dspark.controller import Controller
+from mlx_dspark.request import Request
+from mlx_dspark.sampling import Noise, Sampler, log_warp
+from mlx_dspark.session import Session
+from mlx_dspark.speculative import decode
+from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.sampling import log_warp
-from mlx_dspark.speculative import Noise, Sampler, Session, Stats, decode
 from mlx_dspark.testing.toy import random_drafter, tiny_target
 
 V = 97
@@ -43,9 +47,12 @@ def drafter(target):
 
 
 def run(target, drafter, prompt, speculative, n, seed, sampler, session=None, stats=None):
-    return list(decode(target, drafter, prompt, max_tokens=LENGTH, num_draft=n,
-                       speculative=speculative, seed=seed, sampler=sampler, session=session,
-                       stats=stats))
+    """``prompt`` decoded on ``session`` (default: a fresh one with ``drafter``), the
+    sampler's settings as the request's."""
+    session = session if session is not None else Session(target, drafter)
+    request = Request(prompt, max_tokens=LENGTH, num_draft=n, speculative=speculative,
+                      seed=seed, **sampler_fields(sampler))
+    return list(decode(session, request, stats))
 
 
 def assert_same_up_to_near_tie(target, prompt, out, ref, sampler, seed):
@@ -78,10 +85,10 @@ class Scripted(Controller):
                          ids=[f"n{c[0]}-T{c[2].temperature}-p{c[2].top_p}-k{c[2].top_k}"
                               for c in CASES])
 def test_serial_speculative_and_auto_give_the_same_tokens(target, drafter, n, seed, sampler):
-    ref = run(target, None, PROMPT, False, n, seed, sampler)
-    assert ref != run(target, None, PROMPT, False, n, seed + 100, sampler)   # seed matters
+    ref = run(target, None, PROMPT, "off", n, seed, sampler)
+    assert ref != run(target, None, PROMPT, "off", n, seed + 100, sampler)   # seed matters
     stats = Stats()
-    out = run(target, drafter, PROMPT, True, n, seed, sampler, stats=stats)
+    out = run(target, drafter, PROMPT, "on", n, seed, sampler, stats=stats)
     assert_same_up_to_near_tie(target, PROMPT, out, ref, sampler, seed)
     assert stats.rounds > 0
     # Oracles that know the answer accept often and reject at every position.
@@ -89,7 +96,7 @@ def test_serial_speculative_and_auto_give_the_same_tokens(target, drafter, n, se
     for acceptance in (0.5, 0.9):
         stats = Stats()
         oracle = OracleDrafter(PROMPT + ref, V, acceptance, seed=n)
-        out = run(target, oracle, PROMPT, True, n, seed, sampler, stats=stats)
+        out = run(target, oracle, PROMPT, "on", n, seed, sampler, stats=stats)
         assert_same_up_to_near_tie(target, PROMPT, out, ref, sampler, seed)
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
     assert 0 < accepted < drafted
@@ -104,16 +111,16 @@ def test_serial_speculative_and_auto_give_the_same_tokens(target, drafter, n, se
 def test_chat_turns_on_one_session_keep_absolute_positions(target, drafter):
     sampler, seed = R(1.0, top_p=0.95), 11
     session = Session(target, drafter)
-    first = run(target, drafter, PROMPT, True, 3, seed, sampler, session=session)
+    first = run(target, drafter, PROMPT, "on", 3, seed, sampler, session=session)
     follow = PROMPT + first + [7, 8, 9]
-    second = run(target, drafter, follow, True, 3, seed, sampler, session=session)
+    second = run(target, drafter, follow, "on", 3, seed, sampler, session=session)
     # A fresh serial run of the whole conversation gives the same second answer.
-    assert second == run(target, None, follow, False, 3, seed, sampler)
-    assert first == run(target, None, PROMPT, False, 3, seed, sampler)
+    assert second == run(target, None, follow, "off", 3, seed, sampler)
+    assert first == run(target, None, PROMPT, "off", 3, seed, sampler)
 
 
 def test_rejection_sampling_is_reproducible_only_for_the_same_mode(target, drafter):
     sampler = Sampler(1.0, scheme="rejection")
-    runs = [run(target, drafter, PROMPT, True, 3, 7, sampler) for _ in range(2)]
+    runs = [run(target, drafter, PROMPT, "on", 3, 7, sampler) for _ in range(2)]
     assert runs[0] == runs[1]
-    assert runs[0] != run(target, drafter, PROMPT, True, 3, 8, sampler)
+    assert runs[0] != run(target, drafter, PROMPT, "on", 3, 8, sampler)

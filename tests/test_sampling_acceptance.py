@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from mlx_dspark import sampling
-from mlx_dspark.speculative import Noise, Sampler, accept
+from mlx_dspark.sampling import Noise, Sampler
+from mlx_dspark.speculative import accept
 
 V, N, DRAWS = 5, 2, 2000
 rng = np.random.default_rng(0)
