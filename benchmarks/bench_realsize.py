@@ -1,4 +1,4 @@
-"""Real-size measurements on a converted Lightning-shaped checkpoint (docs/real-size.md).
+"""Real-size measurements on a converted Lightning-shaped checkpoint (docs/history/real-size.md).
 
     python -m mlx_dspark.testing.synthetic SRC [--layers N --experts E]   # the synthetic export
     mlx-dspark convert SRC -o OUT

@@ -216,7 +216,7 @@ class OutFile:
     """An output file that hashes exactly the bytes it holds.
 
     Large source ranges are copied by the kernel (``os.sendfile``: cheaper than ``write`` from
-    user memory, docs/measurements.md and docs/safety-convert.md) and each chunk is then read
+    user memory, docs/history/measurements.md and docs/history/safety-convert.md) and each chunk is then read
     back from the output with ``pread`` and hashed by a helper thread while the next chunk is
     copied. No source byte is ever memory-mapped: a source that shrinks makes ``sendfile``
     come up short, which is a one-line error. Where the kernel cannot copy file to file

@@ -100,7 +100,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
     receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
     memory.InsufficientMemory (a ValueError) when the device cannot give it
-    (docs/real-size.md)."""
+    (docs/history/real-size.md)."""
     from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits

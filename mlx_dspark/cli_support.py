@@ -1,5 +1,5 @@
 """What the ``mlx-dspark`` subcommands share: the user-facing error, the model and sampling
-arguments, loading the pair, and the stats lines.
+arguments, loading the pair, and turning a refused request into a flag's error.
 
 Free of MLX at import (MLX, the models and the tokenizer are imported inside ``load_pair``), so
 ``mlx-dspark convert`` and ``--help`` stay quick."""

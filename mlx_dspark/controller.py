@@ -9,7 +9,7 @@ shared machine the absolute cost of both kinds of step swings by several times w
 (other processes), while their ratio stays put; comparing an old round time with a fresh
 serial time would decide on the load, not on the drafter.
 
-Policy (constants below, chosen by measurement, see README "Break-even controller"):
+Policy (constants below, chosen by measurement, see docs/design.md §8):
 * Start speculating, alternating serial steps and rounds (serial first) until there are
   ``MIN_SAMPLES`` of each; no switch is decided on fewer. One of each is enough: a wrong
   first call is corrected by the next probe or the next round, while every extra warm-up

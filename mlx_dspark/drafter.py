@@ -162,9 +162,6 @@ class Drafter(nn.Module):
         object.__setattr__(self, "_target", target)
         self.gate_report = None
         self._own = None          # the context of callers that use the drafter alone
-        # Context rows any future query can still attend: with every layer windowed, tokens
-        # older than the widest window never are again (None: some layer sees everything).
-        self._context_keep = None if None in cfg.windows else max(cfg.windows) - 1
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -180,14 +177,25 @@ class Drafter(nn.Module):
             return self.embed_tokens.weight[ids].astype(self.dtype)
         return self._target.embed(ids).astype(self.dtype)
 
-    def make_cache(self) -> "DrafterCache":
-        """An empty context, owned by whoever decodes with it (a session)."""
-        return DrafterCache(len(self.layers), self.config.num_kv_heads, self.config.head_dim,
-                            self.dtype)
+    @property
+    def context_keep(self) -> int | None:
+        """Context rows any future query can still attend: with every layer windowed, tokens
+        older than the widest window never are again (None: some layer sees everything)."""
+        windows = self.config.windows
+        return None if None in windows else max(windows) - 1
+
+    def make_cache(self, start: int = 0) -> "DrafterCache":
+        """An empty context, owned by whoever decodes with it (a session). ``start``: the
+        position of its first token, when the tokens before it are too old to matter
+        (older than :attr:`context_keep`)."""
+        cache = DrafterCache(len(self.layers), self.config.num_kv_heads, self.config.head_dim,
+                             self.dtype)
+        cache.length = start
+        return cache
 
     def _cache(self, cache):
         """``cache``, or the drafter's own for callers that use it alone (tests, the
-        contract of docs/design.md §3); the decode loop always passes a session's."""
+        contract in ARCHITECTURE.md, "The drafter"); the decode loop always passes a session's."""
         if cache is not None:
             return cache
         if self._own is None:
@@ -221,7 +229,7 @@ class Drafter(nn.Module):
         if taps.ndim != 2 or taps.shape[1] != want:
             raise ValueError(f"taps must be [T, {want}], got {tuple(taps.shape)}")
         # Skip what no future query attends: a long prompt or serial stretch costs a window.
-        keep = self._context_keep
+        keep = self.context_keep
         if keep and taps.shape[0] > keep:
             skip = taps.shape[0] - keep
             taps, start_pos = taps[skip:], start_pos + skip

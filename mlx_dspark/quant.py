@@ -77,7 +77,7 @@ class ScaledLinear(nn.Module):
 def FP8Linear(weight_fp8, weight_scale, dtype=mx.bfloat16, bias=None) -> ScaledLinear:
     """Per-tensor FP8: decoded once at load (exact in any float dtype); the per-tensor scale
     multiplies the output. Decoding per call instead is several times slower on the CPU
-    (docs/measurements.md), at 2x (bf16) or 4x (fp32) the FP8 weight memory."""
+    (docs/history/measurements.md), at 2x (bf16) or 4x (fp32) the FP8 weight memory."""
     return ScaledLinear(fp8_e4m3_to_float(weight_fp8, dtype), weight_scale, bias)
 
 
@@ -94,7 +94,7 @@ over weights decoded at load at every block size; with OpenBLAS preloaded it sti
 token but loses for 4-8, so ``nvfp4="dequantized"`` pays for verify-heavy (speculative)
 decoding there, at 4x (fp32) the weight memory. bf16 activations make the CPU kernel several
 times slower: the CPU default dtype is float32 (target.default_dtype). Numbers:
-docs/measurements.md."""
+docs/history/measurements.md."""
 
 
 def module_format(weights: dict, prefix: str) -> str:
@@ -195,7 +195,7 @@ class DenseExperts(nn.Module):
 def make_experts(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
     """The stacked experts stored under ``prefix``. NVFP4 experts always stay packed: on the
     CPU ``gather_qmm`` in float32 beats ``gather_mm`` over decoded weights
-    (docs/measurements.md) and reads 8x fewer bytes, and decoding the 128 experts of a real
+    (docs/history/measurements.md) and reads 8x fewer bytes, and decoding the 128 experts of a real
     MoE layer would take 5 GB in float32."""
     cdt = expert_compute_dtype(dtype)
     fmt = module_format(weights, prefix)

@@ -76,7 +76,7 @@ class Request:
 
     ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the
     drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md).
-    ``seed``: None for a random one. ``stop_tokens``: ids that end the run (emitted, never
+    ``seed``: any integer (taken mod 2**64), None for a random one. ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding
     and reasoning budgets; a request that sets them is refused until they are honoured."""
@@ -101,6 +101,8 @@ class Request:
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         self._check()
+        if self.seed is not None:     # any integer, as the generators take it: mod 2**64
+            object.__setattr__(self, "seed", self.seed % SEEDS)
 
     def _check(self):
         if not self.prompt:
@@ -113,9 +115,8 @@ class Request:
         check_sampling(self.temperature, self.top_p, self.top_k, self.sampling)
         if not _integer(self.num_draft) or self.num_draft < 1:
             raise RequestError("num_draft", f"num_draft must be >= 1, not {self.num_draft!r}")
-        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < SEEDS):
-            raise RequestError("seed", f"seed must be an integer in [0, 2**64) or None, not "
-                                       f"{self.seed!r}")
+        if self.seed is not None and not _integer(self.seed):
+            raise RequestError("seed", f"seed must be an integer or None, not {self.seed!r}")
         if not all(_integer(t) and t >= 0 for t in self.stop_tokens):
             raise RequestError("stop", "stop token ids must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop_strings):

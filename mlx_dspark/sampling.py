@@ -61,11 +61,11 @@ class Noise:
     a key split per use ("rejection"), or none (greedy)."""
 
     def __init__(self, sampler: Sampler, seed: int | None):
-        if seed is None:
+        if seed is None:          # else in [0, 2**64) (request.Request reduces it)
             seed = int.from_bytes(os.urandom(8), "little")
         self.sampler = sampler
         self.word = seed_word(seed)
-        self.key = mx.random.key(seed % 2 ** 64)
+        self.key = mx.random.key(seed)
 
     def next_key(self):
         self.key, sub = mx.random.split(self.key)

@@ -52,8 +52,10 @@ class Drafter(Protocol):
 
     target_layer_ids: list[int]   # the target layers whose outputs feed add_context
     max_draft: int                # most tokens one propose() drafts
+    context_keep: int | None      # context rows a future query can still see (None: all)
 
-    def make_cache(self) -> Cache: ...
+    def make_cache(self, start: int = 0) -> Cache:
+        """An empty context whose first token sits at ``start``."""
 
     def add_context(self, taps: mx.array, start_pos: int, cache: Cache): ...
 
@@ -79,7 +81,11 @@ class Session:
     ``add_context`` call before the next proposal, so "auto" pays almost nothing for keeping
     the drafter ready while it decodes serially. A session may be passed to ``decode`` again
     with a prompt that extends ``tokens`` (a chat's next turn): only the new suffix is
-    prefilled. With no drafter the session never speculates and collects no taps."""
+    prefilled. With no drafter the session never speculates and collects no taps. Taps older
+    than the drafter's ``context_keep`` are dropped while queued (no query will see them), so
+    a long serial stretch keeps a window of them, not all."""
+
+    PENDING_WINDOWS = 2     # queue up to this many windows of taps before dropping old ones
 
     def __init__(self, target: Target, drafter: Drafter | None = None,
                  home: ControllerHome | None = None):
@@ -103,6 +109,7 @@ class Session:
         self.tokens: list[int] = []
         self.pending: list[mx.array] = []
         self.pending_start = 0
+        self.pending_rows = 0
 
     @property
     def tap_layers(self):
@@ -114,7 +121,17 @@ class Session:
             if not self.pending:
                 self.pending_start = len(self.tokens)
             self.pending.append(taps)
+            self.pending_rows += taps.shape[0]
         self.tokens.extend(tokens)
+        keep = self.drafter.context_keep if self.drafter is not None else None
+        if keep and self.pending_rows > self.PENDING_WINDOWS * keep:
+            # Nothing before the last ``keep`` tokens will be attended again: the drafter's
+            # context restarts there (add_context would skip the same rows, so the result
+            # is the same to the bit).
+            taps = mx.concatenate(self.pending)[-keep:]
+            self.pending, self.pending_rows = [taps], keep
+            self.pending_start = len(self.tokens) - keep
+            self.draft_cache = self.drafter.make_cache(start=self.pending_start)
 
     def flush(self) -> int:
         """Hand the queued taps to the drafter's cache (lazily); returns how many tokens."""
@@ -122,7 +139,7 @@ class Session:
             return 0
         taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
         self.drafter.add_context(taps, self.pending_start, cache=self.draft_cache)
-        self.pending = []
+        self.pending, self.pending_rows = [], 0
         return taps.shape[0]
 
     def snapshot(self) -> "Snapshot":
@@ -149,6 +166,7 @@ class Session:
         self.tokens = list(snap.tokens)
         self.pending = list(snap.pending)
         self.pending_start = snap.pending_start
+        self.pending_rows = sum(t.shape[0] for t in self.pending)
 
 
 @dataclass(frozen=True)

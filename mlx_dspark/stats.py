@@ -3,7 +3,7 @@
 ``speculative.decode`` fills a :class:`Stats` as it goes; every streamed chunk carries a copy
 (:meth:`Stats.snapshot`), the last one with the peak memory read once at the end. Consumers
 read its fields and properties; :meth:`Stats.as_dict` is for JSON (the server's ``dspark``
-field, ``bench --json``). For code written against the earlier dict, ``stats["name"]`` reads
+field). For code written against the earlier dict, ``stats["name"]`` reads
 the same keys as ``as_dict()``.
 
 ``accepted`` counts accepted drafts only; ``mean_accepted_per_round`` is accepted drafts per
@@ -171,7 +171,7 @@ def format_acceptance(stats: Stats) -> str:
 
 def format_stats(stats: Stats) -> list[str]:
     """The summary of ``generate --stats`` and ``chat``'s /stats: one ``name: value`` line
-    each (README "## Commands")."""
+    each."""
     lines = [
         f"mode: {stats.mode} (requested {stats.requested}, {stats.switches} switches)",
         f"prompt: {stats.prompt_tokens} tokens, {stats.prefilled_tokens} prefilled, "

@@ -338,7 +338,7 @@ class MoE(nn.Module):
     """Fewest tokens whose (token, expert) pairs are grouped by expert (None: by the device
     that runs, decided at each call). On a GPU every multi-token step (a verify) groups, so a
     shared expert is read once; on the CPU grouped verifies showed no consistent gain
-    (docs/real-size.md), so it keeps mlx-lm's threshold (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
+    (docs/history/real-size.md), so it keeps mlx-lm's threshold (64 pairs at top-6). Sorting permutes rows only: outputs are equal either way
     (tests/test_moe_grouping.py)."""
 
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
@@ -530,7 +530,7 @@ class NemotronH(nn.Module):
 
 def default_dtype():
     """bf16 on a GPU (any MLX GPU backend). float32 on MLX's CPU backend, where it is the
-    faster choice (measured, docs/measurements.md): the CPU nvfp4 kernels and ``gather_qmm``
+    faster choice (measured, docs/history/measurements.md): the CPU nvfp4 kernels and ``gather_qmm``
     are several times slower with bf16 activations, ``gather_mm`` accepts only float32, and
     only float32 matmuls go through BLAS."""
     return mx.bfloat16 if on_gpu() else mx.float32

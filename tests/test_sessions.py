@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import mlx.core as mx
 import pytest
 
 import mlx_dspark as md
@@ -137,7 +138,7 @@ def test_a_call_cannot_contradict_its_session(pair):
     ("temperature", -1.0, "--temp"), ("top_p", 1.5, "--top-p"), ("top_k", -2, "--top-k"),
     ("max_tokens", 0, "--max-tokens"), ("num_draft", 0, "--num-draft"),
     ("sampling", "greedy", "--sampling"), ("speculative", "maybe", "--speculative"),
-    ("seed", -5, "--seed"), ("thinking_token_budget", 10, "--thinking-token-budget"),
+    ("seed", 2.5, "--seed"), ("thinking_token_budget", 10, "--thinking-token-budget"),
 ])
 def test_a_refused_request_names_the_parameter_and_the_cli_names_the_flag(field, value, flag):
     with pytest.raises(RequestError) as e:
@@ -187,3 +188,23 @@ def test_no_warning_for_the_new_spelling(pair):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pair.session()
+
+
+def test_a_long_serial_stretch_queues_a_window_of_taps_and_the_context_is_the_same():
+    from mlx_dspark.testing.toy import random_drafter, tiny_target
+
+    target = tiny_target(seed=1)
+    drafter = random_drafter(target, window=16)          # keeps 15 context rows
+    request = Request(list(range(3, 9)), max_tokens=90, speculative="off")
+    capped, whole = Session(target, drafter), Session(target, drafter)
+    whole.PENDING_WINDOWS = 10 ** 9                      # queue everything, as before
+    assert list(decode(capped, request)) == list(decode(whole, request))
+    assert capped.pending_rows <= 2 * drafter.context_keep < whole.pending_rows
+    assert capped.pending_rows == sum(t.shape[0] for t in capped.pending)
+    capped.flush(), whole.flush()
+    assert capped.draft_cache.length == whole.draft_cache.length == len(capped.tokens)
+    for x, y in zip(capped.draft_cache.arrays(), whole.draft_cache.arrays()):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+    # and a speculative continuation drafts from it exactly alike
+    more = Request(list(capped.tokens) + [5], max_tokens=12, speculative="on")
+    assert list(decode(capped, more)) == list(decode(whole, more))

@@ -36,8 +36,14 @@ class OracleDrafter:
     def target_layer_ids(self):
         return self._ids
 
-    def make_cache(self) -> "OracleCache":
-        return OracleCache(self.inner.make_cache() if self.inner is not None else None)
+    @property
+    def context_keep(self) -> int | None:
+        return self.inner.context_keep if self.inner is not None else None
+
+    def make_cache(self, start: int = 0) -> "OracleCache":
+        cache = OracleCache(self.inner.make_cache(start) if self.inner is not None else None)
+        cache.length = start
+        return cache
 
     def add_context(self, taps: mx.array, start_pos: int, cache: "OracleCache"):
         if start_pos != cache.length:
