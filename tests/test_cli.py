@@ -19,6 +19,9 @@ import pytest
 from cli_pair import make_pair
 from mlx_dspark import cli
 
+# subprocesses and a pseudo-terminal: the slow lane
+pytestmark = pytest.mark.slow
+
 SCRIPT = str(Path(sys.executable).parent / "mlx-dspark")
 # fp32, where speculative greedy output must equal serial greedy output token for token.
 DTYPE = ["--dtype", "float32"]

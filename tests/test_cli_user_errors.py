@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 
 import pexpect
+import pytest
 
 from mlx_dspark import cli
+
+# subprocesses and a pseudo-terminal: the slow lane
+pytestmark = pytest.mark.slow
 
 SCRIPT = str(Path(sys.executable).parent / "mlx-dspark")
 

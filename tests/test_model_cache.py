@@ -106,6 +106,7 @@ def hf_offline_cache(root: Path, repo: str, files: Path) -> None:
     (entry / "refs" / "main").write_text(COMMIT)
 
 
+@pytest.mark.slow
 def test_model_repo_id_end_to_end_through_huggingface_hub_offline(exports, tmp_path):
     hf_offline_cache(tmp_path / "hub", TARGET, exports[TARGET])
     hf_offline_cache(tmp_path / "hub", DRAFTER, exports[DRAFTER])

@@ -16,6 +16,9 @@ from mlx_dspark.testing.synthetic import (E4M3, lightning_config, nvfp4_dequanti
                                   synth_lightning)
 from mlx_dspark.target import load_target
 
+# a real-width Lightning-shaped checkpoint: the slow lane
+pytestmark = pytest.mark.slow
+
 PATTERN, EXPERTS, VOCAB = "M*EM", 8, 512
 
 

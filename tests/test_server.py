@@ -21,6 +21,9 @@ from mlx_dspark import api
 from mlx_dspark.testing.server import launch
 from mlx_dspark.tokenizer import prompt_ids
 
+# a real server process per fixture: the slow lane
+pytestmark = pytest.mark.slow
+
 KEY = "test-key"
 CHAT = "/v1/chat/completions"
 MODEL = "mlx-dspark-demo"

@@ -99,6 +99,7 @@ def test_converted_nvfp4_and_fp8_checkpoint_matches_mlx_lm_on_dequantized_weight
     assert (a.argmax(-1) == b.argmax(-1)).all().item()
 
 
+@pytest.mark.slow
 def test_bf16_compute_stays_close_to_fp32(twins):
     ours32, ref = twins
     from mlx_dspark.target import NemotronH, default_dtype
@@ -220,6 +221,7 @@ def test_commit_leaves_exactly_the_state_of_the_accepted_prefix(twins, context):
     assert _worst_rollback_difference(ours, _tokens(context + 9, seed=context), context) == 0.0
 
 
+@pytest.mark.slow
 def test_commit_is_exact_in_bf16_too(twins):
     from mlx_dspark.target import NemotronH
     _, ref = twins

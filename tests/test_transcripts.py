@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# reruns every quoted command: the slow lane
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("transcripts", ROOT / "docs" / "transcripts.py")
 transcripts = sys.modules["transcripts"] = importlib.util.module_from_spec(_spec)
