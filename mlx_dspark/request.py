@@ -17,6 +17,7 @@ SCHEMES = ("reproducible", "rejection")
 # (docs/sampling.md has the table and the command).
 DEFAULT_SCHEME = "rejection"
 SEEDS = 1 << 64
+MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
 
 # The API keyword -> the CLI flag that sets it (commands print refusals with the flag).
 FLAGS = {
@@ -113,8 +114,9 @@ class Request:
             raise RequestError("max_tokens", f"max_tokens must be at least 1, not "
                                              f"{self.max_tokens!r}")
         check_sampling(self.temperature, self.top_p, self.top_k, self.sampling)
-        if not _integer(self.num_draft) or self.num_draft < 1:
-            raise RequestError("num_draft", f"num_draft must be >= 1, not {self.num_draft!r}")
+        if not _integer(self.num_draft) or not 1 <= self.num_draft <= MAX_DRAFT:
+            raise RequestError("num_draft", f"num_draft must be an integer in [1, {MAX_DRAFT}], "
+                                            f"not {self.num_draft!r}")
         if self.seed is not None and not _integer(self.seed):
             raise RequestError("seed", f"seed must be an integer or None, not {self.seed!r}")
         if not all(_integer(t) and t >= 0 for t in self.stop_tokens):

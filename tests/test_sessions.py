@@ -136,7 +136,9 @@ def test_a_call_cannot_contradict_its_session(pair):
 
 @pytest.mark.parametrize("field,value,flag", [
     ("temperature", -1.0, "--temp"), ("top_p", 1.5, "--top-p"), ("top_k", -2, "--top-k"),
-    ("max_tokens", 0, "--max-tokens"), ("num_draft", 0, "--num-draft"),
+    ("max_tokens", 0, "--max-tokens"), ("max_tokens", 2.5, "--max-tokens"),
+    ("num_draft", 0, "--num-draft"), ("num_draft", 10 ** 8, "--num-draft"),
+    ("num_draft", 2.5, "--num-draft"),
     ("sampling", "greedy", "--sampling"), ("speculative", "maybe", "--speculative"),
     ("seed", 2.5, "--seed"), ("thinking_token_budget", 10, "--thinking-token-budget"),
 ])
