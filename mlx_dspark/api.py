@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 from .integrity import check_level
-from .request import Request, RequestError, speculative_mode, split_stops
+from . import reasoning
+from .request import Request, RequestError, Thinking, speculative_mode, split_stops
 from .session import Session
 from .stats import Stats
 from .tokenizer import load_tokenizer, prompt_ids
@@ -57,7 +58,10 @@ class Pair:
 
 @dataclass
 class Chunk:
-    """One streamed piece: the text that became printable with ``token``.
+    """One streamed piece: the text that became printable with ``token``: ``text`` the
+    answer's, ``reasoning`` the thinking's (a reply whose prompt opened a thinking block
+    thinks until ``</think>``; one chunk may carry the end of one and the start of the
+    other, ``part`` names what it carries).
 
     As in mlx-lm, every chunk carries a generated token and the last one carries the finish
     reason ("stop" or "length"; None before). ``stop`` says whether ``token`` is a stop token
@@ -69,17 +73,28 @@ class Chunk:
     token: int
     stats: Stats
     stop: bool = False
+    reasoning: str = ""
 
     @property
     def finish_reason(self):
         return self.stats.finish_reason
 
+    @property
+    def part(self) -> str | None:
+        """"reasoning", "content", "both" (the block ends in this chunk), None (no text)."""
+        return ("both" if self.text else "reasoning") if self.reasoning else \
+            "content" if self.text else None
+
 
 @dataclass
 class Result:
+    """``text``: the answer; ``reasoning``: the thinking (empty when the prompt opened no
+    thinking block); ``tokens``: every generated token (thinking included, stop token not)."""
+
     text: str
     tokens: list[int]
     stats: Stats
+    reasoning: str = ""
 
     @property
     def finish_reason(self):
@@ -135,11 +150,23 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
     strings, ids = split_stops(stop)
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
-    return Request(prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs),
-                   max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+    prompt = prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs)
+    return Request(prompt, max_tokens=256 if max_tokens is None else max_tokens,
+                   temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
+                   thinking=thinking_of(pair.tokenizer, prompt),
                    thinking_token_budget=thinking_token_budget)
+
+
+def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
+    """The request's :class:`Thinking` when the prompt ends inside an open thinking block
+    (the chat template opened it), else None."""
+    if tokenizer is None or not reasoning.opens_thinking(tokenizer.decode(prompt[-16:])):
+        return None
+    def encode(text):
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
 
 
 def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
@@ -188,6 +215,16 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
     detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:
         detok.reset()
+    splitter = reasoning.Splitter() if request.thinking is not None else None
+
+    def chunk(piece: str, token: int, last: bool, stop: bool = False) -> Chunk:
+        if splitter is None:
+            return Chunk(piece, token, _snapshot(stats, last), stop)
+        thought, answer = splitter.add(piece)
+        if last:
+            thought += splitter.finish()[0]
+        return Chunk(answer, token, _snapshot(stats, last), stop, thought)
+
     shown = 0        # characters of the detokenized text already yielded
     try:
         for token in tokens:
@@ -204,10 +241,10 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
             cut = _find_stop(text, strings, max(0, shown - _longest(strings)))
             if cut is not None:
                 stats.finish_reason = "stop"
-                yield Chunk(text[shown:cut], token, _snapshot(stats, True))
+                yield chunk(text[shown:cut], token, True)
                 return
             end = len(text) if last else len(text) - _held_back(text, strings)
-            yield Chunk(text[shown:end], token, _snapshot(stats, last), stop)
+            yield chunk(text[shown:end], token, last, stop)
             shown = max(shown, end)
     finally:
         tokens.close()
@@ -215,13 +252,14 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
 
 def generate(pair: Pair, prompt, max_tokens: int | None = None, **kwargs) -> Result:
     """Generate and return the whole result (same arguments as ``stream_generate``)."""
-    text, tokens, stats = [], [], None
+    text, thought, tokens, stats = [], [], [], None
     for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
         text.append(chunk.text)
+        thought.append(chunk.reasoning)
         if not chunk.stop:
             tokens.append(chunk.token)
         stats = chunk.stats
-    return Result("".join(text), tokens, stats)
+    return Result("".join(text), tokens, stats, "".join(thought))
 
 
 def _snapshot(stats: Stats, last: bool) -> Stats:

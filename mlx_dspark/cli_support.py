@@ -91,6 +91,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
                    help="turn the chat template's reasoning on or off, where it has the switch")
+    p.add_argument("--thinking-token-budget", type=_at_least(0), metavar="N",
+                   help="most tokens the model thinks before the engine closes its thinking "
+                        "block and it answers (default: no cap)")
 
 
 def add_system_prompt_argument(p: argparse.ArgumentParser) -> None:
@@ -188,7 +191,8 @@ def request_options(args: argparse.Namespace) -> dict:
     """The API keywords (:func:`mlx_dspark.api.make_request`) the sampling flags set."""
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
-                speculative=args.speculative, sampling=args.sampling)
+                speculative=args.speculative, sampling=args.sampling,
+                thinking_token_budget=args.thinking_token_budget)
 
 
 def flag_error(e: ValueError) -> CommandError:

@@ -31,6 +31,16 @@ FLAGS = {
 _MODE_OF = {"auto": "auto", "on": "on", "off": "off", True: "on", False: "off"}
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """A reply that starts inside a thinking block (its prompt opened one): ``close``, the ids
+    of the closing tag (the model closed the block itself when they appear); ``end``, the ids
+    the engine feeds to close it when ``thinking_token_budget`` runs out."""
+
+    close: tuple[int, ...]
+    end: tuple[int, ...]
+
+
 class RequestError(ValueError):
     """A parameter outside its meaning; ``param`` names it (an API keyword)."""
 
@@ -79,8 +89,11 @@ class Request:
     drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md).
     ``seed``: any integer (taken mod 2**64), None for a random one. ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
-    layer). ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding
-    and reasoning budgets; a request that sets them is refused until they are honoured."""
+    layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
+    API then tells reasoning from answer), else None. ``thinking_token_budget``: most tokens
+    the reply thinks before the engine closes the block itself (None: no cap; without
+    ``thinking`` there is nothing to cap). ``grammar`` is reserved for constrained decoding;
+    a request that sets it is refused until it is honoured."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256
@@ -94,6 +107,7 @@ class Request:
     stop_tokens: frozenset = field(default_factory=frozenset)
     stop_strings: tuple[str, ...] = ()
     grammar: object = None
+    thinking: Thinking | None = None
     thinking_token_budget: int | None = None
 
     def __post_init__(self):
@@ -123,9 +137,15 @@ class Request:
             raise RequestError("stop", "stop token ids must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise RequestError("stop", "stop strings must be non-empty strings")
-        for name in ("grammar", "thinking_token_budget"):
-            if getattr(self, name) is not None:
-                raise RequestError(name, f"{name} is not supported yet")
+        if self.grammar is not None:
+            raise RequestError("grammar", "grammar is not supported yet")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _integer(budget) or budget < 0):
+            raise RequestError("thinking_token_budget", f"thinking_token_budget must be an "
+                                                        f"integer >= 0, not {budget!r}")
+        if self.thinking is not None and not (self.thinking.end and self.thinking.close):
+            raise RequestError("thinking", "thinking needs the closing tag's ids and the ids "
+                                           "that end a thinking block")
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ decoding (the stop token is emitted, never fed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterator
 
@@ -144,7 +145,10 @@ def decode(session: Session, request: Request, stats: Stats | None = None) -> It
     ``finish_reason`` is set just before the last token is yielded. A request the session
     cannot serve is refused here, before any token is asked for."""
     check(session, request)
-    return _decode(session, request, stats if stats is not None else Stats())
+    stats = stats if stats is not None else Stats()
+    if request.thinking is not None and request.thinking_token_budget is not None:
+        return _think_within_budget(session, request, stats)
+    return _decode(session, request, stats)
 
 
 def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
@@ -285,3 +289,77 @@ def _count_round(stats: Stats, control: Controller, n: int, a: int, times):
     stats.t_round += t4 - t_start
     control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# A thinking budget
+
+
+def _think_within_budget(session: Session, request: Request, stats: Stats) -> Iterator[int]:
+    """``request`` with its thinking capped at ``thinking_token_budget`` tokens.
+
+    Three stretches on one session: the reply decoded up to the budget; then, unless the
+    model closed its block itself, the ids of ``request.thinking.end`` (the template's end of
+    thinking) emitted as the reply's next tokens; then the rest decoded from a prompt that
+    is the request's prompt, the reply so far and those ids. That prompt extends what the
+    session holds (the budget's last token and the closing ids are prefilled through the
+    target, their taps queued for the drafter), so both caches hold exactly the state of
+    that token sequence, as when a chat's next turn extends the session. ``stats`` shows
+    the stretches as one generation (the prompt is the request's; tokens, rounds and times
+    add up)."""
+    budget, end = request.thinking_token_budget, list(request.thinking.end)
+    replace = dataclasses.replace
+    parts: list[Stats] = []
+    reply: list[int] = []
+
+    def show(part: Stats | None, finish: str | None):
+        runs = parts + ([part] if part is not None else [])
+        merged = Stats.total(runs) if runs else Stats(requested=request.speculative)
+        merged.prompt_tokens = len(request.prompt)
+        merged.reused_tokens = runs[0].reused_tokens if runs else 0
+        merged.generated, merged.generations = len(reply), max(1, len(runs))
+        merged.finish_reason = finish
+        vars(stats).update(vars(merged))
+
+    def room() -> int:
+        """Tokens the reply may still take (max_tokens, and the context beyond the prompt
+        the next stretch will have)."""
+        left = request.max_tokens - len(reply)
+        limit = session.target.context_limit
+        if limit is not None:
+            left = min(left, limit - len(request.prompt) - len(reply) - 1)
+        return left
+
+    if budget > 0:
+        first = replace(request, max_tokens=min(budget, request.max_tokens),
+                        thinking_token_budget=None)
+        part = Stats()
+        for token in _decode(session, first, part):
+            reply.append(token)
+            done = part.finish_reason == "stop" or part.finish_reason is not None and room() <= 0
+            show(part, part.finish_reason if done else None)
+            yield token
+            if done:
+                return
+        parts.append(part)
+    if not _contains(reply, request.thinking.close):
+        for token in end:
+            reply.append(token)
+            show(None, "length" if room() <= 0 else None)
+            yield token
+            if stats.finish_reason is not None:
+                return
+    rest = replace(request, prompt=request.prompt + tuple(reply), max_tokens=room(),
+                   thinking_token_budget=None,
+                   seed=None if request.seed is None or request.sampling == "reproducible"
+                   else request.seed ^ 0x5DEECE66D)
+    part = Stats()
+    for token in _decode(session, rest, part):
+        reply.append(token)
+        show(part, part.finish_reason)
+        yield token
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    n = len(sub)
+    return any(tuple(seq[i:i + n]) == sub for i in range(len(seq) - n + 1))

@@ -77,9 +77,11 @@ def template_options(tokenizer, reasoning: str | None) -> dict:
 
 
 def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:
-    """Ids and text of ``messages`` through the chat template, ready for the reply."""
+    """Ids and text of ``messages`` through the chat template, ready for the reply.
+    Thinking is on unless ``options`` turn it off (as Nemotron's template has it; mlx-lm
+    would otherwise turn it off for a vocabulary without a ``<think>`` token)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **options)
+                                         **{"enable_thinking": True, **options})
     return _encode(tokenizer, text), text
 
 

@@ -140,7 +140,7 @@ def test_a_call_cannot_contradict_its_session(pair):
     ("num_draft", 0, "--num-draft"), ("num_draft", 10 ** 8, "--num-draft"),
     ("num_draft", 2.5, "--num-draft"),
     ("sampling", "greedy", "--sampling"), ("speculative", "maybe", "--speculative"),
-    ("seed", 2.5, "--seed"), ("thinking_token_budget", 10, "--thinking-token-budget"),
+    ("seed", 2.5, "--seed"), ("thinking_token_budget", -1, "--thinking-token-budget"),
 ])
 def test_a_refused_request_names_the_parameter_and_the_cli_names_the_flag(field, value, flag):
     with pytest.raises(RequestError) as e:
