@@ -61,7 +61,8 @@ class Chunk:
     """One streamed piece: the text that became printable with ``token``: ``text`` the
     answer's, ``reasoning`` the thinking's (a reply whose prompt opened a thinking block
     thinks until ``</think>``; one chunk may carry the end of one and the start of the
-    other, ``part`` names what it carries).
+    other, ``part`` names what it carries; ``thinking``: ``token`` belongs to the thinking
+    block, its closing tag included).
 
     As in mlx-lm, every chunk carries a generated token and the last one carries the finish
     reason ("stop" or "length"; None before). ``stop`` says whether ``token`` is a stop token
@@ -74,6 +75,7 @@ class Chunk:
     stats: Stats
     stop: bool = False
     reasoning: str = ""
+    thinking: bool = False
 
     @property
     def finish_reason(self):
@@ -220,10 +222,11 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
     def chunk(piece: str, token: int, last: bool, stop: bool = False) -> Chunk:
         if splitter is None:
             return Chunk(piece, token, _snapshot(stats, last), stop)
+        inside = splitter.thinking
         thought, answer = splitter.add(piece)
         if last:
             thought += splitter.finish()[0]
-        return Chunk(answer, token, _snapshot(stats, last), stop, thought)
+        return Chunk(answer, token, _snapshot(stats, last), stop, thought, inside)
 
     shown = 0        # characters of the detokenized text already yielded
     try:

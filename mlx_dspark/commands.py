@@ -185,6 +185,21 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
+    p.add_argument("--chat-template-args", type=_json_object, default={}, metavar="JSON",
+                   help="chat template variables for every request, which a request's "
+                        "chat_template_kwargs override (e.g. '{\"enable_thinking\": false}')")
+
+
+def _json_object(s: str) -> dict:
+    """An argparse type: a JSON object."""
+    import json
+    try:
+        value = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -201,7 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _check_serve_flags(engine.pair, args)
         serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
-              args.port, args.api_key, defaults)
+              args.port, args.api_key, defaults, args.chat_template_args)
     except KeyboardInterrupt:
         print("mlx-dspark serve: interrupted", file=sys.stderr)
         code = 130

@@ -16,7 +16,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from . import api
+from . import api, logprobs
 from .openai_api import ApiError
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -31,6 +31,7 @@ class Job:
 
     request: Request
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None     # score the reply's tokens, with this many alternatives
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -139,8 +140,14 @@ class Engine:
         else:
             session.reset()
         stream = api.stream(self.pair, job.request, session)
+        tokens = []
         try:
             for i, chunk in enumerate(stream):
+                tokens += [] if chunk.stop else [chunk.token]
+                if chunk.finish_reason is not None and job.logprobs is not None:
+                    job.emit("logprobs", logprobs.score(self.pair.target,
+                                                        list(job.request.prompt), tokens,
+                                                        job.logprobs))
                 job.emit("chunk", chunk)
                 if i == 0:
                     self._remember()          # the prompt's state, before any answer token

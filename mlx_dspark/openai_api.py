@@ -13,8 +13,42 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
+from . import tools
+from .answer import Answer
+
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
 MAX_STOPS = 4                   # as OpenAI
+MAX_TOP_LOGPROBS = 20           # as OpenAI
+
+# Every field each endpoint honours (docs/serve.md lists them); any other field that is set
+# (not null) is refused with a 400 naming it, so no request is silently served as something
+# it did not ask for.
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                   "stream", "stream_options", "frequency_penalty", "presence_penalty"}
+FIELDS = {
+    "chat": SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                               "reasoning_effort", "thinking_token_budget", "tools",
+                               "tool_choice", "parallel_tool_calls", "logprobs",
+                               "top_logprobs"},
+    "completion": SAMPLING_FIELDS | {"prompt", "logprobs"},
+}
+# Fields another part of the engine will honour; refused until then.
+NOT_YET = {"response_format"}
+
+
+def check_fields(body: dict, kind: str):
+    """Refuse the first set field the endpoint does not honour."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in NOT_YET:
+            raise ApiError(f"'{name}' is not supported yet", name, "unsupported_parameter")
+        if name not in FIELDS[kind]:
+            raise ApiError(f"'{name}' is not supported by this server; it honours "
+                           f"{', '.join(sorted(FIELDS[kind]))}", name, "unsupported_parameter")
+        if name in ("frequency_penalty", "presence_penalty") and value != 0:
+            raise ApiError(f"'{name}' must be 0 (penalties are not supported)", name,
+                           "unsupported_parameter")
 
 
 class ApiError(Exception):
@@ -44,6 +78,8 @@ class Params:
     request: object             # request.Request
     stream: bool
     include_usage: bool
+    tools: "ToolUse" = None
+    logprobs: int | None = None     # alternatives per token, when logprobs are asked for
 
 
 def _get(body: dict, name: str, kinds, check=None, what: str = ""):
@@ -98,7 +134,29 @@ def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
                 stop=stop)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+
+
+def _content(content, where: str, empty_ok: bool = False) -> str:
+    if isinstance(content, list):       # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(f"'{where}' parts must be text parts "
+                           f"({{\"type\": \"text\", \"text\": ...}}); this model "
+                           f"reads text only", where)
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(f"'{where}' must be a string or an array of text parts", where)
+    return content
+
+
 def chat_messages(body: dict) -> list[dict]:
+    """The messages as the chat template takes them: roles (``developer`` is ``system``),
+    text content, an assistant's ``tool_calls`` with their arguments as objects, a tool
+    result's ``tool_call_id``."""
     messages = _get(body, "messages", (list,))
     if not messages:
         raise ApiError("'messages' must be a non-empty array of messages", "messages")
@@ -107,21 +165,120 @@ def chat_messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(f"'{where}' must be an object with a string 'role'", where)
-        content = m.get("content")
-        if isinstance(content, list):       # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise ApiError(f"'{where}.content' parts must be text parts "
-                                   f"({{\"type\": \"text\", \"text\": ...}}); this model "
-                                   f"reads text only", f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise ApiError(f"'{where}.content' must be a string or an array of text parts",
-                               f"{where}.content")
-        out.append({"role": m["role"], "content": content})
+        role = ROLES.get(m["role"])
+        if role is None:
+            raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}, not "
+                           f"{m['role']!r}", f"{where}.role")
+        message = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id")
+        out.append(message)
     return out
+
+
+def _history_calls(calls, where: str) -> list[dict]:
+    """An assistant's earlier calls, arguments parsed (the template writes them back)."""
+    if not isinstance(calls, list):
+        raise ApiError(f"'{where}' must be an array of tool calls", where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ApiError(f"'{where}[{j}]' must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"arguments\": ...}}}}", f"{where}[{j}]")
+        args = f.get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise ApiError(f"'{where}[{j}].function.arguments' must be a JSON object",
+                           f"{where}[{j}].function.arguments")
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+@dataclass
+class ToolUse:
+    """What a request's tools ask of the reply: the definitions for the template (None: no
+    tools section), the functions to read calls of (None: no calls read) and the text the
+    reply is made to start with (a forced call's opening)."""
+
+    tools: list | None = None
+    functions: dict | None = None
+    prefill: str = ""
+
+
+def tool_use(body: dict) -> ToolUse:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` read and checked. "auto" (the
+    default with tools): the model may call; "none": the tools are not shown; "required" and
+    a named function: the reply starts with the opening of a call (by prompting: nothing
+    stops the model from writing a wrong call, which then comes back as text)."""
+    defs = _get(body, "tools", (list,))
+    for j, t in enumerate(defs or []):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("parameters", {}), (dict, type(None))):
+            raise ApiError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": {{...}}}}}}", f"tools[{j}]")
+    if _get(body, "parallel_tool_calls", (bool,)) is False:
+        raise ApiError("'parallel_tool_calls': false is not supported yet (a reply may hold "
+                       "several calls)", "parallel_tool_calls", "unsupported_parameter")
+    choice = body.get("tool_choice")
+    choice = "auto" if choice is None else choice
+    names = tools.schemas(defs)
+    if choice == "none" or not defs:
+        if choice not in ("none", "auto"):
+            raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
+        return ToolUse()
+    if choice == "auto":
+        return ToolUse(defs, names)
+    if choice == "required":
+        return ToolUse(defs, names, tools.START + "\n")
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
+        and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        else None
+    if name is None:
+        raise ApiError("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": "
+                       "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise ApiError(f"'tool_choice' names {name!r}, which is not among 'tools'",
+                       "tool_choice")
+    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n")
+
+
+def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
+    """Chat template variables (the server's ``--chat-template-args``, then the request's
+    ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off) and the
+    thinking budget."""
+    options = dict(defaults)
+    options.update(_get(body, "chat_template_kwargs", (dict,)) or {})
+    effort = _get(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort != "none":
+            raise ApiError(f"'reasoning_effort' {effort!r} is not supported: 'none' turns "
+                           f"thinking off; cap it with 'thinking_token_budget'",
+                           "reasoning_effort", "unsupported_parameter")
+        options["enable_thinking"] = False
+    budget = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
+    return options, budget
+
+
+def logprobs_request(body: dict, kind: str) -> int | None:
+    """How many alternatives per token to return with its log-probability (None: no
+    logprobs). Chat: ``logprobs: true`` and ``top_logprobs`` 0..20; completions:
+    ``logprobs`` 0..5."""
+    if kind != "chat":
+        return _get(body, "logprobs", (int,), lambda n: 0 <= n <= 5, "in [0, 5]")
+    on = _get(body, "logprobs", (bool,))
+    top = _get(body, "top_logprobs", (int,), lambda n: 0 <= n <= MAX_TOP_LOGPROBS,
+               f"in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and not on:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def completion_prompt(body: dict, vocab: int):
@@ -162,58 +319,95 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 class Reply:
-    """Accumulates the chunks of one generation into OpenAI response objects."""
+    """Accumulates the chunks of one generation into OpenAI response objects: the thinking
+    as ``reasoning_content``, the text as ``content``, the calls as ``tool_calls``."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, functions: dict | None = None,
+                 prefill: str = ""):
         self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.tokens = 0
-        self.stats = None
+        self.answer = Answer(functions, prefill)
+        self.logprobs = None        # set by the engine's scores, when asked for
 
-    def add(self, chunk) -> str:
-        self.text.append(chunk.text)
-        self.tokens += not chunk.stop          # a final stop token is not an answer token
-        self.stats = chunk.stats
-        return chunk.text
+    def add(self, chunk) -> list:
+        return self.answer.add(chunk)
+
+    @property
+    def stats(self):
+        return self.answer.stats
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.stats.finish_reason == "stop" else "length"
+        return self.answer.finish_reason
 
     def usage(self) -> dict:
-        prompt = self.stats.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": self.tokens,
-                "total_tokens": prompt + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": self.stats.reused_tokens}}
+        prompt, tokens = self.stats.prompt_tokens, self.answer.tokens
+        usage = {"prompt_tokens": prompt, "completion_tokens": tokens,
+                 "total_tokens": prompt + tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.stats.reused_tokens}}
+        if self.kind == "chat":
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": self.answer.reasoning_tokens}
+        return usage
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self) -> dict:
-        text = "".join(self.text)
+        a = self.answer
+        text = "".join(a.text)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
+            message = {"role": "assistant", "content": text or (None if a.calls else "")}
+            if a.reasoning:
+                message["reasoning_content"] = "".join(a.reasoning)
+            if a.calls:
+                message["tool_calls"] = [c.openai() for c in a.calls]
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs,
+                      "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs,
                       "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": self.usage(),
                 "dspark": self.stats.as_dict()}
 
-    def piece(self, text: str, first: bool = False, finish: str | None = None) -> dict:
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else \
-                {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {**self._head(obj), "choices": [choice]}
+    def pieces(self, events: list, first: bool) -> list[dict]:
+        """Stream pieces for the new events of one chunk (the first carries the role)."""
+        out = []
+        for kind, item in events:
+            if self.kind != "chat":
+                out.append(self._piece({"text": item}))
+            elif kind == "call":
+                index = self.answer.calls.index(item)
+                out.append(self._delta({"tool_calls": [{
+                    "index": index, "id": item.id, "type": "function",
+                    "function": {"name": item.name, "arguments": ""}}]}, first))
+                out.append(self._delta({"tool_calls": [{
+                    "index": index, "function": {"arguments": item.arguments_json}}]}))
+            else:
+                field = "reasoning_content" if kind == "reasoning" else "content"
+                out.append(self._delta({field: item}, first))
+            first = False
+        return out
+
+    def first_piece(self) -> dict:
+        return self._delta({}, True) if self.kind == "chat" else self._piece({"text": ""})
+
+    def end_piece(self) -> dict:
+        end = self._delta({}) if self.kind == "chat" else self._piece({"text": ""})
+        end["choices"][0]["finish_reason"] = self.finish_reason
+        end["choices"][0]["logprobs"] = self.logprobs
+        return {**end, "dspark": self.stats.as_dict()}
+
+    def _delta(self, delta: dict, first: bool = False) -> dict:
+        return self._piece({"delta": {"role": "assistant", **delta} if first else delta})
+
+    def _piece(self, body: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [{"index": 0, **body, "logprobs": None,
+                                                "finish_reason": None}]}
 
     def usage_piece(self) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

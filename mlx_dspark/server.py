@@ -24,11 +24,13 @@ from starlette.routing import Route
 # interpreter at exit ("terminate called without an active exception").
 from . import api
 from .engine import Engine, Job, log
-from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, _get, _sse,
-                         chat_messages, check_model, completion_prompt, error_response,
-                         parse_body, sampling_options, stream_flags)
+from . import logprobs
+from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse,
+                         chat_messages, check_fields, check_model, completion_prompt,
+                         error_response, logprobs_request, parse_body, sampling_options,
+                         stream_flags, thinking_options, tool_use)
 from .request import RequestError as RequestValueError
-from .tokenizer import prompt_ids
+from .tokenizer import chat_ids, prompt_ids
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 
@@ -40,17 +42,20 @@ async def _events(job: Job):
         while True:
             kind, item = await job.out.get()
             yield kind, item
-            if kind == "error" or item.finish_reason is not None:
+            if kind == "error" or kind == "chunk" and item.finish_reason is not None:
                 return
     finally:
         job.cancelled.set()
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None,
-               defaults: dict | None = None) -> Starlette:
+               defaults: dict | None = None, template_defaults: dict | None = None) -> Starlette:
     """The ASGI app; ``engine`` must be started (its pair loaded). ``defaults``: request
-    options the server sets for every request (``num_draft``, ``speculative``)."""
+    options the server sets for every request (``num_draft``, ``speculative``);
+    ``template_defaults``: chat template variables a request's ``chat_template_kwargs``
+    override (``serve --chat-template-args``)."""
     defaults = defaults or {}
+    template_defaults = template_defaults or {}
     tokenizer = engine.pair.tokenizer
     limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
@@ -66,69 +71,83 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def read(request: Request, kind: str) -> Params:
         authorize(request)
         body = parse_body(await request.body())
+        check_fields(body, kind)
         check_model(body, model_id)
         stream, include_usage = stream_flags(body)
-        if kind == "chat":
-            where, prompt = "messages", chat_messages(body)
-        else:
-            where, prompt = "prompt", completion_prompt(body, vocab)
         options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None)
-        if kind != "chat" and isinstance(prompt, list):
-            ids = prompt
+        use, budget = ToolUse(), None
+        if kind == "chat":
+            messages, use = chat_messages(body), tool_use(body)
+            template, budget = thinking_options(body, template_defaults)
+            ids = await encode(messages, template, use)
         else:
-            template = _get(body, "chat_template_kwargs", (dict,)) if kind == "chat" else None
-            try:
-                ids = await run_in_threadpool(prompt_ids, tokenizer, prompt, kind == "chat",
-                                              template)
-            except Exception as e:   # no chat template, or the template refuses the messages
-                raise ApiError(f"'{where}' cannot be encoded: "
-                                   f"{' '.join(str(e).split()) or type(e).__name__}",
-                                   where) from None
+            prompt = completion_prompt(body, vocab)
+            ids = prompt if isinstance(prompt, list) else await encode(prompt)
+        return Params(make_request(ids, options, budget, "messages" if kind == "chat"
+                                   else "prompt"), stream, include_usage, use,
+                      logprobs_request(body, kind))
+
+    async def encode(prompt, template=None, use: ToolUse | None = None) -> list[int]:
+        """Token ids of a completion prompt, or of chat messages through the template (with
+        the tools, and a forced call's opening after the generation prompt)."""
+        where = "messages" if template is not None else "prompt"
+        try:
+            if template is None:
+                ids = await run_in_threadpool(prompt_ids, tokenizer, prompt)
+            else:
+                ids = await run_in_threadpool(chat_ids, tokenizer, prompt, template, use)
+        except Exception as e:   # no chat template, or the template refuses the messages
+            raise ApiError(f"'{where}' cannot be encoded: "
+                           f"{' '.join(str(e).split()) or type(e).__name__}", where) from None
         if not ids:
             raise ApiError(f"'{where}' encodes to no tokens", where)
+        return ids
+
+    def make_request(ids: list[int], options: dict, budget: int | None, where: str):
         if limit is not None:
             if len(ids) >= limit:
                 raise ApiError(f"the prompt has {len(ids)} tokens; this model's context "
-                                   f"limit is {limit}, leaving no room for an answer", where,
-                                   "context_length_exceeded")
+                               f"limit is {limit}, leaving no room for an answer", where,
+                               "context_length_exceeded")
             options["max_tokens"] = min(options["max_tokens"] or limit, limit - len(ids))
         options["max_tokens"] = options["max_tokens"] or UNLIMITED
         try:
-            req = api.make_request(engine.pair, ids, **options, **defaults)
+            return api.make_request(engine.pair, ids, **options, **defaults,
+                                    thinking_token_budget=budget)
         except RequestValueError as e:
             raise ApiError(str(e), e.param) from None
-        return Params(req, stream, include_usage)
 
     async def complete(request: Request, kind: str):
         params = await read(request, kind)
-        job = Job(params.request, asyncio.get_running_loop())
+        job = Job(params.request, asyncio.get_running_loop(), params.logprobs)
         engine.submit(job)
-        reply = Reply(kind, model_id)
+        reply = Reply(kind, model_id, params.tools.functions, params.tools.prefill)
         if not params.stream:
             async for what, item in _events(job):
                 if what == "error":
                     raise ApiError(item, status=500, type="server_error")
-                reply.add(item)
+                if what == "logprobs":
+                    reply.logprobs = logprobs.openai(kind, item, tokenizer)
+                else:
+                    reply.add(item)
             return JSONResponse(reply.whole())
 
         async def sse():
-            first = True
+            yield _sse(reply.first_piece())
             async for what, item in _events(job):
                 if what == "error":
                     yield _sse({"error": {"message": item, "type": "server_error",
                                           "param": None, "code": None}})
                     break
-                text = reply.add(item)
+                if what == "logprobs":
+                    reply.logprobs = logprobs.openai(kind, item, tokenizer)
+                    continue
+                for piece in reply.pieces(reply.add(item), first=False):
+                    yield _sse(piece)
                 if item.finish_reason is not None:      # the last token's chunk
-                    if text or first:
-                        yield _sse(reply.piece(text, first))
-                    end = reply.piece("", finish=reply.finish_reason)
-                    yield _sse({**end, "dspark": reply.stats.as_dict()})
+                    yield _sse(reply.end_piece())
                     if params.include_usage:
                         yield _sse(reply.usage_piece())
-                elif text:
-                    yield _sse(reply.piece(text, first))
-                    first = False
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream",
@@ -179,7 +198,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
 
 def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None,
-          defaults: dict | None = None):
+          defaults: dict | None = None, template_defaults: dict | None = None):
     """Run until Ctrl-C or SIGTERM: the generation in flight stops at its next token, every
     open request ends with an error event, uvicorn closes the connections and the engine
     thread ends."""
@@ -190,6 +209,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
             engine.cancel_all("the server is shutting down")
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults), host=host, port=port,
+    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, template_defaults),
+                            host=host, port=port,
                             log_level="info", timeout_graceful_shutdown=5)
     Server(config).run()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
 
+from . import reasoning
 from .request import RequestError
 
 
@@ -88,3 +89,19 @@ def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[in
 def _encode(tokenizer, text: str) -> list[int]:
     # templates spell out their own bos; like apply_chat_template, add no special tokens
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_ids(tokenizer, messages: list[dict], options: dict, use=None) -> list[int]:
+    """Ids of chat messages through the template, with ``use`` (openai_api.ToolUse): its
+    tools in the template's tools section, and its prefill (a forced call's opening) after
+    the generation prompt, the thinking block closed first (a forced call is not thought
+    about)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("this model's tokenizer has no chat template")
+    if use is not None and use.tools:
+        options = {**options, "tools": use.tools}
+    ids, text = encode_chat(tokenizer, messages, options)
+    if use is None or not use.prefill:
+        return ids
+    close = reasoning.END.lstrip("\n") if reasoning.opens_thinking(text) else ""
+    return ids + _encode(tokenizer, close + use.prefill)
