@@ -76,6 +76,7 @@ class Chunk:
     stop: bool = False
     reasoning: str = ""
     thinking: bool = False
+    stop_string: str | None = None      # the stop string that ended the run (last chunk)
 
     @property
     def finish_reason(self):
@@ -244,7 +245,9 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
             cut = _find_stop(text, strings, max(0, shown - _longest(strings)))
             if cut is not None:
                 stats.finish_reason = "stop"
-                yield chunk(text[shown:cut], token, True)
+                last_chunk = chunk(text[shown:cut], token, True)
+                last_chunk.stop_string = next(s for s in strings if text.startswith(s, cut))
+                yield last_chunk
                 return
             end = len(text) if last else len(text) - _held_back(text, strings)
             yield chunk(text[shown:end], token, last, stop)

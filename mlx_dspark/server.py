@@ -24,11 +24,11 @@ from starlette.routing import Route
 # interpreter at exit ("terminate called without an active exception").
 from . import api
 from .engine import Engine, Job, log
-from . import logprobs
+from . import anthropic_api, logprobs
 from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse,
                          chat_messages, check_fields, check_model, completion_prompt,
                          error_response, logprobs_request, parse_body, sampling_options,
-                         stream_flags, thinking_options, tool_use)
+                         stream_flags, thinking_options, tool_use, _get)
 from .request import RequestError as RequestValueError
 from .tokenizer import chat_ids, prompt_ids
 
@@ -153,6 +153,50 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    async def messages(request: Request):
+        """POST /v1/messages (Anthropic): the same engine, Anthropic's shapes and errors."""
+        try:
+            if api_key is not None:
+                given = request.headers.get("x-api-key") or \
+                    request.headers.get("authorization", "").removeprefix("Bearer ")
+                if not hmac.compare_digest(given.encode(), api_key.encode()):
+                    raise ApiError("missing or wrong API key (send 'x-api-key: KEY')",
+                                   status=401)
+            body = parse_body(await request.body())
+            check_model(body, model_id)
+            m = anthropic_api.read(body)
+            ids = await encode(m.messages, m.template, m.use)
+            params = make_request(ids, m.options, m.budget, "messages")
+            stream = bool(_get(body, "stream", (bool,)))
+            job = Job(params, asyncio.get_running_loop())
+            engine.submit(job)
+        except ApiError as e:
+            return anthropic_api.error_response(e)
+        reply = anthropic_api.MessageReply(model_id, m.use, len(ids))
+        if not stream:
+            async for what, item in _events(job):
+                if what == "error":
+                    return anthropic_api.error_response(ApiError(item, status=500))
+                reply.add(item)
+            return JSONResponse(reply.whole())
+
+        async def events():
+            for name, data in reply.start():
+                yield anthropic_api.sse(name, data)
+            async for what, item in _events(job):
+                if what == "error":
+                    yield anthropic_api.sse("error", {"type": "error", "error": {
+                        "type": "api_error", "message": item}})
+                    return
+                for name, data in reply.events(reply.add(item)):
+                    yield anthropic_api.sse(name, data)
+                if item.finish_reason is not None:
+                    for name, data in reply.end():
+                        yield anthropic_api.sse(name, data)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     async def chat_completions(request: Request):
         return await complete(request, "chat")
 
@@ -186,6 +230,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/messages", messages, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     @contextlib.asynccontextmanager

@@ -66,3 +66,52 @@ class ScriptedTarget:
     def _next(self, cache: ScriptedCache, position: int) -> int:
         k = position - cache.start
         return cache.reply[k] if 0 <= k < len(cache.reply) else self.end
+
+
+def by_tool_results(tokenizer, replies: list[str]):
+    """A ``choose`` for an agent's turns: the reply after k tool results is ``replies[k]``
+    (the last one once they run out)."""
+    encoded = [tokenizer.encode(r, add_special_tokens=False) for r in replies]
+
+    def choose(prompt_ids):
+        k = tokenizer.decode(prompt_ids).count("<tool_response>")
+        return encoded[min(k, len(encoded) - 1)]
+    return choose
+
+
+def main(argv=None):
+    """``python -m mlx_dspark.testing.scripted REPLIES.json --port N [serve flags]``: a real
+    server whose target writes the replies of REPLIES.json (a list of strings, chosen by
+    how many tool results the prompt holds), with the demo pair's tokenizer."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from .. import api
+    from ..engine import Engine
+    from ..server import serve
+    from ..tokenizer import load_tokenizer
+
+    p = argparse.ArgumentParser(prog="mlx_dspark.testing.scripted")
+    p.add_argument("replies", type=Path)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--api-key")
+    args = p.parse_args(argv)
+    replies = json.loads(args.replies.read_text())
+
+    def load():
+        tokenizer = load_tokenizer(api.DEMO / "target")
+        target = ScriptedTarget(4096, by_tool_results(tokenizer, replies),
+                                tokenizer.eos_token_id)
+        return api.Pair(target, None, tokenizer)
+
+    engine = Engine(load, max_queue=4, cache_bytes=0, use_drafter=False)
+    engine.start()
+    try:
+        serve(engine, "scripted", "127.0.0.1", args.port, args.api_key)
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,15 +9,16 @@ import time
 import urllib.request
 
 
-def launch(flags=(), timeout: float = 60.0, **popen):
+def launch(flags=(), timeout: float = 60.0, command=("mlx_dspark.cli", "serve"), **popen):
     """Start ``mlx-dspark serve FLAGS`` in a child process on a free port of 127.0.0.1 and
     wait until it answers ``/health``; returns the process and the base URL (for tests,
-    benchmarks and scripts that drive a real server)."""
+    benchmarks and scripts that drive a real server). ``command``: the module (and its
+    arguments) run instead, such as ``("mlx_dspark.testing.scripted", REPLIES)``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark.cli", "serve", "--port",
-                             str(port), *flags], **popen)
+    proc = subprocess.Popen([sys.executable, "-m", *command, "--port", str(port), *flags],
+                            **popen)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
