@@ -165,7 +165,13 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
 def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
     """The request's :class:`Thinking` when the prompt ends inside an open thinking block
     (the chat template opened it), else None."""
-    if tokenizer is None or not reasoning.opens_thinking(tokenizer.decode(prompt[-16:])):
+    if tokenizer is None:
+        return None
+    try:
+        tail = tokenizer.decode(prompt[-16:])
+    except (OverflowError, ValueError, TypeError):   # ids no tokenizer has: decode refuses
+        return None                                   # them (one clear error) before any step
+    if not reasoning.opens_thinking(tail):
         return None
     def encode(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -78,11 +78,12 @@ def template_options(tokenizer, reasoning: str | None) -> dict:
 
 
 def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:
-    """Ids and text of ``messages`` through the chat template, ready for the reply.
-    Thinking is on unless ``options`` turn it off (as Nemotron's template has it; mlx-lm
-    would otherwise turn it off for a vocabulary without a ``<think>`` token)."""
+    """Ids and text of ``messages`` through the chat template, ready for the reply. Without
+    an ``enable_thinking`` option, mlx-lm's wrapper turns thinking on when the vocabulary has
+    a ``<think>`` token (Nemotron's does; the demo pair's spells it in pieces, so its chats
+    think only when asked)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **{"enable_thinking": True, **options})
+                                         **options)
     return _encode(tokenizer, text), text
 
 
