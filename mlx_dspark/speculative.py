@@ -349,10 +349,13 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
             yield token
             if stats.finish_reason is not None:
                 return
+    # "reproducible" noise is keyed by position, so the rest keeps the seed; "rejection" draws
+    # from a key stream, which the rest must not replay from its start.
+    seed = request.seed
+    if seed is not None and request.sampling != "reproducible":
+        seed ^= 0x5DEECE66D
     rest = replace(request, prompt=request.prompt + tuple(reply), max_tokens=room(),
-                   thinking_token_budget=None,
-                   seed=None if request.seed is None or request.sampling == "reproducible"
-                   else request.seed ^ 0x5DEECE66D)
+                   thinking_token_budget=None, seed=seed)
     part = Stats()
     for token in _decode(session, rest, part):
         reply.append(token)

@@ -140,6 +140,7 @@ class Stream:
         self.functions = functions
         self.buffer = ""        # text not yet given out
         self.in_call = False
+        self.gap = ""             # whitespace before the open block (kept if it is no call)
         self.after_call = False   # the next text follows a call: its leading space goes
 
     def add(self, text: str) -> list:
@@ -156,13 +157,14 @@ class Stream:
                     out.append(read_call(block, self.functions))
                     self.after_call = True
                 except WrongCall:
-                    out.append(self._text(START + block + END))
+                    out.append(self._text(self.gap + START + block + END))
                 continue
             at = self.buffer.find(START)
             if at >= 0:
                 before, self.buffer = self.buffer[:at], self.buffer[at + len(START):]
-                out.append(self._text(before.rstrip()))
-                self.in_call = True
+                shown = before.rstrip()
+                out.append(self._text(shown))
+                self.gap, self.in_call = before[len(shown):], True
                 continue
             # hold back a possible start of a block, and trailing whitespace
             keep = _partial(self.buffer, START)
@@ -174,7 +176,7 @@ class Stream:
 
     def finish(self) -> list:
         """The rest at the end of the answer: an unfinished block is text."""
-        rest = (START if self.in_call else "") + self.buffer
+        rest = (self.gap + START if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
         text = self._text(rest)
         return [text] if text else []
