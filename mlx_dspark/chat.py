@@ -24,9 +24,13 @@ HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") ma
 commands:
   /reset   forget the conversation (the next prompt is prefilled from scratch)
   /stats   statistics of the conversation so far
+  /think on|off   let the model think before it answers, or not (templates with the switch)
   /help    this list
   /quit    leave (so do Ctrl-D and /exit)
 Ctrl-C stops the current answer and keeps the conversation."""
+
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"     # how thinking is shown on a terminal
 
 
 class Conversation:
@@ -121,11 +125,37 @@ class Chat:
             print("(conversation cleared)")
         elif name == "/stats":
             print(self.stats_text())
+        elif name == "/think":
+            self.think(line.split()[1:])
         elif name in ("/help", "/?"):
             print(HELP)
         else:
             print(f"unknown command {name}; /help lists the commands")
         return True
+
+    def think(self, words: list[str]):
+        if words not in (["on"], ["off"]):
+            print("usage: /think on|off")
+            return
+        if "enable_thinking" not in (getattr(self.pair.tokenizer, "chat_template", None) or ""):
+            print("(this model's chat template has no thinking switch)")
+            return
+        self.conversation.options["enable_thinking"] = words == ["on"]
+        print(f"(thinking {words[0]} from the next answer)")
+
+    def show(self, chunk, thinking: list[bool]):
+        """Print a chunk: thinking dimmed on a terminal (or left out with --hide-thinking),
+        then the answer."""
+        if chunk.reasoning and not self.args.hide_thinking:
+            if not thinking[0]:
+                _write(DIM if sys.stdout.isatty() else "")
+                thinking[0] = True
+            _write(chunk.reasoning)
+        if chunk.text:
+            if thinking[0]:
+                _write((PLAIN if sys.stdout.isatty() else "") + "\n")
+                thinking[0] = False
+            _write(chunk.text)
 
     def answer(self, user: str):
         ids = self.conversation.prompt(user)
@@ -138,11 +168,11 @@ class Chat:
         except ValueError as e:
             print(f"error: {flag_error(e)} (/reset starts a new conversation)")
             return
-        pieces, tokens, stats = [], [], None
+        pieces, tokens, stats, thinking = [], [], None, [False]
         with CatchInterrupt() as interrupt:
             try:
                 for chunk in stream:
-                    _write(chunk.text)
+                    self.show(chunk, thinking)
                     pieces.append(chunk.text)
                     stats = chunk.stats
                     if chunk.stop:
@@ -155,8 +185,10 @@ class Chat:
                         break
             finally:
                 stream.close()
+        if thinking[0]:
+            _write(PLAIN if sys.stdout.isatty() else "")
         text = "".join(pieces)
-        if stats.finish_reason == "interrupted":
+        if stats.finish_reason == "interrupted" and not thinking[0]:
             # the streaming detokenizer may hold back the end of a character: show it now
             full = self.pair.tokenizer.decode(tokens)
             if full.startswith(text):

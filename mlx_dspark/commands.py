@@ -114,6 +114,8 @@ def chat_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p, max_tokens=512)
     add_system_prompt_argument(p)
+    p.add_argument("--hide-thinking", action="store_true",
+                   help="do not show the model's thinking, only its answers")
 
 
 def run_chat(args: argparse.Namespace) -> int:
