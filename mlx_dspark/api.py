@@ -190,7 +190,10 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
     stop; a stop token is not part of the output; a stop string ends the text just before it,
     the token that completed it kept in ``tokens``); ``chat_template_kwargs`` (such as
-    ``{"enable_thinking": False}``) go to the chat template.
+    ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
+    block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
+    ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
+    the block itself and the model answers.
 
     ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
     gives the same tokens whether or not and however the drafter speculates); both sample

@@ -1,9 +1,10 @@
-"""``mlx-dspark serve``: an OpenAI-compatible HTTP server on the same engine (docs/serve.md).
+"""``mlx-dspark serve``: an OpenAI- and Anthropic-compatible HTTP server on the same engine
+(docs/serve.md).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when asked), ``GET /v1/models``, ``GET /health``.
+events when asked), ``POST /v1/messages`` (Anthropic), ``GET /v1/models``, ``GET /health``.
 
-Handlers only parse (openai_api.py), tokenize, queue and relay: the :class:`Engine` thread
+Handlers only parse (openai_api.py, anthropic_api.py), tokenize, queue and relay: the :class:`Engine` thread
 (engine.py) runs the generations, and a token reaches the client through an asyncio queue as
 soon as it is generated."""
 
