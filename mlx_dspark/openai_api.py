@@ -373,8 +373,8 @@ class Reply:
         return {**self._head(obj), "choices": [choice], "usage": self.usage(),
                 "dspark": self.stats.as_dict()}
 
-    def pieces(self, events: list, first: bool) -> list[dict]:
-        """Stream pieces for the new events of one chunk (the first carries the role)."""
+    def pieces(self, events: list) -> list[dict]:
+        """Stream pieces for the new events of one chunk."""
         out = []
         for kind, item in events:
             if self.kind != "chat":
@@ -383,17 +383,18 @@ class Reply:
                 index = self.answer.calls.index(item)
                 out.append(self._delta({"tool_calls": [{
                     "index": index, "id": item.id, "type": "function",
-                    "function": {"name": item.name, "arguments": ""}}]}, first))
+                    "function": {"name": item.name, "arguments": ""}}]}))
                 out.append(self._delta({"tool_calls": [{
                     "index": index, "function": {"arguments": item.arguments_json}}]}))
             else:
                 field = "reasoning_content" if kind == "reasoning" else "content"
-                out.append(self._delta({field: item}, first))
-            first = False
+                out.append(self._delta({field: item}))
         return out
 
     def first_piece(self) -> dict:
-        return self._delta({}, True) if self.kind == "chat" else self._piece({"text": ""})
+        """The stream's first piece: the role (chat), before any text."""
+        return self._delta({"role": "assistant"}) if self.kind == "chat" else \
+            self._piece({"text": ""})
 
     def end_piece(self) -> dict:
         end = self._delta({}) if self.kind == "chat" else self._piece({"text": ""})
@@ -401,8 +402,8 @@ class Reply:
         end["choices"][0]["logprobs"] = self.logprobs
         return {**end, "dspark": self.stats.as_dict()}
 
-    def _delta(self, delta: dict, first: bool = False) -> dict:
-        return self._piece({"delta": {"role": "assistant", **delta} if first else delta})
+    def _delta(self, delta: dict) -> dict:
+        return self._piece({"delta": delta})
 
     def _piece(self, body: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -134,8 +134,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             return JSONResponse(reply.whole())
 
         async def sse():
-            yield _sse(reply.first_piece())
+            first = True      # the role piece goes out with the first token, not before
             async for what, item in _events(job):
+                if first and what == "chunk":
+                    yield _sse(reply.first_piece())
+                    first = False
                 if what == "error":
                     yield _sse({"error": {"message": item, "type": "server_error",
                                           "param": None, "code": None}})
@@ -143,7 +146,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 if what == "logprobs":
                     reply.logprobs = logprobs.openai(kind, item, tokenizer)
                     continue
-                for piece in reply.pieces(reply.add(item), first=False):
+                for piece in reply.pieces(reply.add(item)):
                     yield _sse(piece)
                 if item.finish_reason is not None:      # the last token's chunk
                     yield _sse(reply.end_piece())
