@@ -83,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with CatchInterrupt(once=True) as interrupt:
         try:
             for chunk in stream:
-                sys.stdout.write(chunk.text)
+                sys.stdout.write(chunk.reasoning + chunk.text)   # thinking, then the answer
                 sys.stdout.flush()
                 stats = chunk.stats
                 if interrupt.hit:
