@@ -41,7 +41,7 @@ class Splitter:
         if at >= 0:
             self.thinking, self.held = False, ""
             return text[:at], self._content(text[at + len(CLOSE):])
-        keep = _partial(text, CLOSE)
+        keep = partial_tag(text, CLOSE)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -65,7 +65,7 @@ def split(text: str) -> tuple[str, str]:
     return r1 + r2, c1
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

@@ -24,6 +24,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .reasoning import partial_tag
+
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.S)
@@ -167,7 +169,7 @@ class Stream:
                 self.gap, self.in_call = before[len(shown):], True
                 continue
             # hold back a possible start of a block, and trailing whitespace
-            keep = _partial(self.buffer, START)
+            keep = partial_tag(self.buffer, START)
             ready = self.buffer[:len(self.buffer) - keep]
             shown = ready.rstrip()
             out.append(self._text(shown))
@@ -186,10 +188,3 @@ class Stream:
             text = text.lstrip()
             self.after_call = not text
         return text
-
-
-def _partial(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0

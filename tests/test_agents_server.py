@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.testing.server import launch
+from mlx_dspark.testing.server import launch, stop
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,7 @@ REPLIES = [
 
 
 def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    stop(proc)
     out = proc.stdout.read().decode()
     assert "Traceback" not in out, out[-3000:]
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.testing.server import launch
+from mlx_dspark.testing.server import launch, stop
 from mlx_dspark.tokenizer import prompt_ids
 
 # a real server process per fixture: the slow lane
@@ -34,22 +34,13 @@ def _start(*flags):
                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
 @pytest.fixture(scope="module")
 def server():
     # --speculative on: seeded sampling then draws the same tokens as generate(speculative=True)
     # (under "auto" the mode, and so the draws, would follow the controller's timings)
     proc, url = _start("--api-key", KEY, "--speculative", "on")
     yield url
-    _stop(proc)
+    stop(proc)
     out = proc.stdout.read().decode()
     assert "Traceback" not in out, out[-3000:]
 
@@ -222,7 +213,7 @@ def test_full_queue_answers_503_and_serving_resumes():
                 time.sleep(0.1)
         assert r.usage.completion_tokens == 2 and r.usage.prompt_tokens_details.cached_tokens == 0
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 # ---------------------------------------------------------------------------------------------

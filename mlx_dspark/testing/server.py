@@ -30,3 +30,14 @@ def launch(flags=(), timeout: float = 60.0, command=("mlx_dspark.cli", "serve"),
     proc.kill()
     raise RuntimeError(f"mlx-dspark serve {' '.join(flags)} did not start (exit status "
                        f"{proc.wait()})")
+
+
+def stop(proc, timeout: float = 15.0):
+    """Terminate a launched server and wait for it (killed, and the timeout raised, if it
+    does not exit in time)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
