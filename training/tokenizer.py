@@ -23,6 +23,8 @@ TOK_DIR = WORK / "tokenizer"
 SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
 MASK = "<mask>"
 CHAT_TURN = ["<|user|>", "<|assistant|>"]
+# The template the tokenizer was first exported with; the shipped demo pair's was replaced
+# after conversion by a Nemotron-format one (step 6a, training/amend_template.py).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}<|user|>\n{{ message['content'] }}\n"
