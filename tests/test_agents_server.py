@@ -207,6 +207,20 @@ def test_reasoning_effort_none_turns_thinking_off(demo):
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def test_the_servers_template_args_are_a_default_a_request_overrides():
+    proc, url = launch(["--chat-template-args", '{"enable_thinking": true}'],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        ask = dict(model=DEMO, messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+        on = oai(url).chat.completions.create(**ask).choices[0].message
+        off = oai(url).chat.completions.create(
+            **ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    finally:
+        _stop(proc)
+    assert on.model_extra["reasoning_content"] and on.content == ""
+    assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+
+
 def test_logprobs_are_the_targets_own_and_equal_across_modes(demo, pair):
     """The server speculates (--speculative on); the tokens equal serial decoding's and each
     log-probability equals the log-softmax of an uncached forward over the whole sequence."""
