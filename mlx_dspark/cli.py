@@ -20,8 +20,10 @@ from mlx_dspark import __version__, commands
 from mlx_dspark.cli_support import CommandError
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.integrity import CheckpointError
+from mlx_dspark.request import NonFiniteLogits
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError,
+                                            NonFiniteLogits)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,11 @@ class RequestError(ValueError):
         self.param = param
 
 
+class NonFiniteLogits(ArithmeticError):
+    """A generation whose model state stopped being finite (inf or NaN logits): ended with
+    this error instead of emitting token 0 forever."""
+
+
 def speculative_mode(value) -> str:
     """``"auto"``, ``"on"`` or ``"off"`` from any spelling the API takes."""
     if isinstance(value, (str, bool)) and value in _MODE_OF:
