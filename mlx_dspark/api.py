@@ -7,6 +7,7 @@ with requests of their own."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Iterator
 from .integrity import check_level
 from .request import Request, RequestError, speculative_mode, split_stops
 from .session import Session
-from .stats import Stats
+from .stats import Stats, format_stats
 from .tokenizer import load_tokenizer, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
@@ -48,6 +49,12 @@ class Pair:
                           "speculative= to each generate() call", DeprecationWarning,
                           stacklevel=2)
         return Session(self.target, self.drafter, home=self)
+
+    def __iter__(self):
+        # mlx-lm's ``model, tokenizer = load(...)``: one line with this package's spelling.
+        raise TypeError("md.load() returns one Pair, not (model, tokenizer): write "
+                        "`pair = md.load(...)` and `md.generate(pair, prompt)`; its parts are "
+                        "pair.target, pair.drafter and pair.tokenizer")
 
     def stop_tokens(self) -> frozenset:
         """The ids that always end a generation (the tokenizer's eos ids)."""
@@ -90,7 +97,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
          memory_check: bool = True) -> Pair:
     """Load a converted target (and drafter).
 
-    ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
+    ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
+    GPU, fp32 on the CPU). ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
     of ModelOpt exports, converted on first use into the cache (model_cache.py). A local
     directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
@@ -104,7 +112,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits
-    from .target import default_dtype, load_target
+    from .target import compute_dtype, load_target, read_target_config
 
     if model is None:
         model = DEMO / "target"
@@ -114,10 +122,12 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
         if name is not None and not model_cache.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
+    dtype = compute_dtype(dtype)
     model = model_cache.resolve(model)
     drafter = model_cache.resolve(drafter) if drafter is not None else None
+    read_target_config(model)     # a drafter or another architecture: said before anything
     if memory_check:
-        check_fits(model, drafter, dtype or default_dtype())
+        check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
     return Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
@@ -142,6 +152,31 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    thinking_token_budget=thinking_token_budget)
 
 
+# mlx-lm's keywords (and the draft model's), and how they are spelled here.
+MLX_LM_KEYWORDS = {
+    "temp": "temperature=", "draft_model": "md.load(model, drafter)",
+    "num_draft_tokens": "num_draft=", "sampler": "temperature=, top_p=, top_k=",
+    "prompt_cache": "session=pair.session()", "formatter": "stream_generate()",
+}
+
+
+def _check_call(function: str, pair, prompt, options: dict):
+    """mlx-lm's call shapes refused in one line that shows this package's."""
+    if not isinstance(pair, Pair):
+        raise TypeError(f"{function}(pair, prompt, ...): the first argument is the Pair "
+                        f"md.load() returns, not {type(pair).__name__}")
+    if hasattr(prompt, "encode") and not isinstance(prompt, (str, bytes)):
+        raise TypeError(f"{function}(pair, prompt, ...) takes no tokenizer (the pair holds it): "
+                        f"mlx-lm's {function}(model, tokenizer, prompt) is "
+                        f"md.{function}(pair, prompt) here")
+    known = set(inspect.signature(make_request).parameters) - {"pair", "prompt", "max_tokens"}
+    for name in options:
+        if name not in known:
+            hint = MLX_LM_KEYWORDS.get(name)
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}"
+                            + (f" (mlx-lm's {name}; here: {hint})" if hint else ""))
+
+
 def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
                     session: Session | None = None, **options) -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
@@ -161,6 +196,11 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     exactly the warped target (docs/sampling.md). Greedy decoding is the same in both.
 
     ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
+    _check_call("stream_generate", pair, prompt, options)
+    return _stream_generate(pair, prompt, max_tokens, session, options)
+
+
+def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chunk]:
     if isinstance(prompt, Request):
         given = [*options] + (["max_tokens"] if max_tokens is not None else [])
         if given:
@@ -213,14 +253,21 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
         tokens.close()
 
 
-def generate(pair: Pair, prompt, max_tokens: int | None = None, **kwargs) -> Result:
-    """Generate and return the whole result (same arguments as ``stream_generate``)."""
+def generate(pair: Pair, prompt, max_tokens: int | None = None, *,
+             session: Session | None = None, verbose: bool = False, **options) -> Result:
+    """Generate and return the whole result (same arguments as ``stream_generate``).
+    ``verbose=True`` (mlx-lm's) also prints the text as it comes and then the stats."""
+    _check_call("generate", pair, prompt, options)
     text, tokens, stats = [], [], None
-    for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
+    for chunk in _stream_generate(pair, prompt, max_tokens, session, options):
         text.append(chunk.text)
+        if verbose:
+            print(chunk.text, end="", flush=True)
         if not chunk.stop:
             tokens.append(chunk.token)
         stats = chunk.stats
+    if verbose:
+        print("\n".join(["", "=========="] + format_stats(stats)), flush=True)
     return Result("".join(text), tokens, stats)
 
 

@@ -91,6 +91,28 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
                    help="turn the chat template's reasoning on or off, where it has the switch")
+    add_template_arguments(p)
+
+
+def add_template_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
+                   help="variables for the chat template as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' (mlx-lm's flag)")
+
+
+def json_object(s: str) -> dict:
+    """An argparse type: a JSON object."""
+    import json
+    try:
+        value = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {s!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"
 
 
 def add_system_prompt_argument(p: argparse.ArgumentParser) -> None:
@@ -165,12 +187,8 @@ def load_pair(args: argparse.Namespace):
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
                            f"missing); pass --model DIR [--drafter DIR]")
-    dtype = None
-    if args.dtype:
-        import mlx.core as mx
-        dtype = getattr(mx, args.dtype)
     try:
-        pair = api.load(args.model, args.drafter, dtype=dtype, verify=args.verify,
+        pair = api.load(args.model, args.drafter, dtype=args.dtype, verify=args.verify,
                         memory_check=not args.no_memory_check)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None

@@ -72,8 +72,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = system + [{"role": "user", "content": prompt}]
     try:      # the prompt does not fit the model, --num-draft beyond the drafter, ...
         request = api.make_request(pair, prompt, chat=templated,
-                                   chat_template_kwargs=template_options(pair.tokenizer,
-                                                                         args.reasoning),
+                                   chat_template_kwargs=template_options(
+                                       pair.tokenizer, args.reasoning, args.chat_template_args),
                                    **request_options(args))
         stream = api.stream(pair, request)
     except ValueError as e:
