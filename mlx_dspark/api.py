@@ -34,6 +34,7 @@ class Pair:
     # What the break-even controller learned in earlier calls (costs, acceptance): a fresh
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
+    path: Path | None = None      # the target's directory (md.load sets it)
 
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
@@ -132,7 +133,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     return Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
-                tokenizer=load_tokenizer(model, target.config.vocab_size))
+                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model))
 
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,

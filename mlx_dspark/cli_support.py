@@ -178,7 +178,7 @@ def load_pair(args: argparse.Namespace):
     options are checked first, so a typo costs no loading time."""
     from . import api
 
-    if hasattr(args, "temp"):          # generate, chat, bench (serve takes them per request)
+    if hasattr(args, "sampling"):      # generate, chat, bench (serve checks its own defaults)
         try:
             check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
         except RequestError as e:

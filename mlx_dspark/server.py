@@ -1,7 +1,7 @@
 """``mlx-dspark serve``: an OpenAI-compatible HTTP server on the same engine (docs/serve.md).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when asked), ``GET /v1/models``, ``GET /health``.
+events when asked), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
 
 Handlers only parse (openai_api.py), tokenize, queue and relay: the :class:`Engine` thread
 (engine.py) runs the generations, and a token reaches the client through an asyncio queue as
@@ -26,7 +26,7 @@ from . import api
 from .engine import Engine, Job, log
 from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, _get, _sse,
                          chat_messages, check_model, completion_prompt, error_response,
-                         parse_body, sampling_options, stream_flags)
+                         model_object, parse_body, sampling_options, stream_flags)
 from .request import RequestError as RequestValueError
 from .tokenizer import prompt_ids
 
@@ -46,11 +46,21 @@ async def _events(job: Job):
         job.cancelled.set()
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None,
+ENGINE_OPTIONS = ("num_draft", "speculative")     # set by the server, never by a request
+
+
+def create_app(engine: Engine, model_id, api_key: str | None = None,
                defaults: dict | None = None) -> Starlette:
-    """The ASGI app; ``engine`` must be started (its pair loaded). ``defaults``: request
-    options the server sets for every request (``num_draft``, ``speculative``)."""
-    defaults = defaults or {}
+    """The ASGI app; ``engine`` must be started (its pair loaded). ``model_id``: the id it
+    serves, or a list of the names it answers to (the id first). ``defaults``: the server's
+    ``num_draft`` and ``speculative`` for every request, and the defaults of fields a request
+    may leave out (``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
+    ``chat_template_kwargs``)."""
+    model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
+    model_id = model_ids[0]
+    defaults = dict(defaults or {})
+    fixed = {k: defaults.pop(k) for k in ENGINE_OPTIONS if k in defaults}
+    template_defaults = defaults.pop("chat_template_kwargs", None) or {}
     tokenizer = engine.pair.tokenizer
     limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
@@ -66,17 +76,19 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def read(request: Request, kind: str) -> Params:
         authorize(request)
         body = parse_body(await request.body())
-        check_model(body, model_id)
+        check_model(body, model_ids)
         stream, include_usage = stream_flags(body)
         if kind == "chat":
             where, prompt = "messages", chat_messages(body)
         else:
             where, prompt = "prompt", completion_prompt(body, vocab)
-        options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None)
+        options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
+                                   defaults)
         if kind != "chat" and isinstance(prompt, list):
             ids = prompt
         else:
-            template = _get(body, "chat_template_kwargs", (dict,)) if kind == "chat" else None
+            template = {**template_defaults, **(_get(body, "chat_template_kwargs", (dict,))
+                                                or {})} if kind == "chat" else None
             try:
                 ids = await run_in_threadpool(prompt_ids, tokenizer, prompt, kind == "chat",
                                               template)
@@ -94,7 +106,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             options["max_tokens"] = min(options["max_tokens"] or limit, limit - len(ids))
         options["max_tokens"] = options["max_tokens"] or UNLIMITED
         try:
-            req = api.make_request(engine.pair, ids, **options, **defaults)
+            req = api.make_request(engine.pair, ids, **options, **fixed)
         except RequestValueError as e:
             raise ApiError(str(e), e.param) from None
         return Params(req, stream, include_usage)
@@ -142,8 +154,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     async def models(request: Request):
         authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark"}]})
+        return JSONResponse({"object": "list", "data": [model_object(model_id)]})
+
+    async def model(request: Request):
+        authorize(request)
+        name = request.path_params["name"]
+        if name not in model_ids:
+            raise ApiError(f"model '{name}' is not served here; this server serves "
+                           f"'{model_id}'", "model", "model_not_found", status=404)
+        return JSONResponse(model_object(model_id))
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, "waiting": engine.waiting,
@@ -168,6 +187,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -178,11 +198,28 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         ApiError: refused, HTTPException: http_error, Exception: crashed})
 
 
-def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None,
+def listen(host: str, port: int):
+    """The server's socket, bound before the model loads, so a busy port costs no loading
+    time; OSError when it cannot be had."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(engine: Engine, model_id, sock, api_key: str | None,
           defaults: dict | None = None):
-    """Run until Ctrl-C or SIGTERM: the generation in flight stops at its next token, every
-    open request ends with an error event, uvicorn closes the connections and the engine
-    thread ends."""
+    """Run on the bound ``sock`` (:func:`listen`) until Ctrl-C or SIGTERM: the generation in
+    flight stops at its next token, every open request ends with an error event, uvicorn
+    closes the connections and the engine thread ends."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -190,6 +227,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
             engine.cancel_all("the server is shutting down")
             super().handle_exit(sig, frame)
 
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(engine, model_id, api_key, defaults), host=host, port=port,
                             log_level="info", timeout_graceful_shutdown=5)
-    Server(config).run()
+    Server(config).run(sockets=[sock])
