@@ -139,7 +139,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                 chat_template_kwargs: dict | None = None, sampling: str = "rejection",
+                 chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
     the tokenizer's eos ids among the stop tokens)."""
@@ -192,9 +192,11 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     the token that completed it kept in ``tokens``); ``chat_template_kwargs`` (such as
     ``{"enable_thinking": False}``) go to the chat template.
 
-    ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
-    gives the same tokens whether or not and however the drafter speculates); both sample
-    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both.
+    ``sampling``: "rejection" (more drafts accepted) or "reproducible" (a ``seed`` gives the
+    same tokens whether or not and however the drafter speculates); both sample exactly the
+    warped target (docs/sampling.md). The default is "reproducible" when a ``seed`` is given,
+    else "rejection". Greedy decoding is the same in both. The seed used, given or drawn, is
+    ``stats.seed``.
 
     ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
     _check_call("stream_generate", pair, prompt, options)

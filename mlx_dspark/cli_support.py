@@ -10,7 +10,8 @@ import argparse
 import signal
 
 from .integrity import VERIFY_LEVELS
-from .request import FLAGS, MODES, SEEDS, RequestError, check_sampling
+from .request import (DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError,
+                      check_sampling)
 
 
 class CommandError(Exception):
@@ -82,8 +83,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
     p.add_argument("--seed", type=_seed, metavar="S",
                    help="random seed for sampling, 0 to 2**64-1 (-1 or no --seed: a random "
-                        "one); reproduces a run in the same --speculative mode, and with "
-                        "--sampling reproducible in every mode")
+                        "one, shown by --stats); gives the same text in every --speculative "
+                        "mode (unless --sampling rejection: then in the same mode)")
     add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
@@ -138,11 +139,12 @@ def _boolean(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected True or False, not {s!r}")
 
 
-def add_scheme_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sampling", choices=("rejection", "reproducible"), default="rejection",
-                   help="rejection: accepts the most drafts (default); reproducible: a seed "
-                        "fixes the text whatever the drafter does, at some acceptance "
-                        "(docs/sampling.md)")
+def add_scheme_argument(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--sampling", choices=SCHEMES, default=default,
+                   help="rejection: accepts the most drafts; reproducible: a seed fixes the "
+                        "text whatever the drafter does, at some acceptance "
+                        "(docs/sampling.md); default: " + (default or "reproducible with "
+                        "--seed, else rejection"))
 
 
 def _at_least(low: int, high: int | None = None):
@@ -180,7 +182,8 @@ def load_pair(args: argparse.Namespace):
 
     if hasattr(args, "sampling"):      # generate, chat, bench (serve checks its own defaults)
         try:
-            check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
+            check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0),
+                           args.sampling or DEFAULT_SCHEME)
         except RequestError as e:
             raise flag_error(e) from None
 

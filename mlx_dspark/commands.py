@@ -144,7 +144,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
-    add_scheme_argument(p)
+    add_scheme_argument(p, default="rejection")
     p.add_argument("--repeats", type=_positive, default=1, metavar="R",
                    help="runs per prompt and mode; the median is reported (default 1)")
     p.add_argument("--domains", metavar="LIST",

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 MODES = ("auto", "on", "off")
 SCHEMES = ("reproducible", "rejection")
-# The default: rejection sampling, because the coupled scheme accepted 20 % fewer tokens per
-# round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed to cost
-# (docs/sampling.md has the table and the command).
+# The default without a seed: rejection sampling, because the coupled scheme accepted 20 %
+# fewer tokens per round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed
+# to cost (docs/sampling.md has the table and the command). With a seed the default is
+# "reproducible": a seed then means the same text in every mode, whatever "auto" decides.
 DEFAULT_SCHEME = "rejection"
+SEEDED_SCHEME = "reproducible"
 SEEDS = 1 << 64
 MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
 
@@ -81,8 +83,10 @@ class Request:
     and top_k 0 are "off", temperature 0 is greedy).
 
     ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the
-    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md).
-    ``seed``: any integer (taken mod 2**64), None for a random one. ``stop_tokens``: ids that end the run (emitted, never
+    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md);
+    None (the default) is "reproducible" when a seed is given, so that a seed means the same
+    text in every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a
+    random one (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding
     and reasoning budgets; a request that sets them is refused until they are honoured."""
@@ -92,7 +96,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    sampling: str = DEFAULT_SCHEME
+    sampling: str | None = None
     num_draft: int = 3
     speculative: str = "auto"
     seed: int | None = None
@@ -106,6 +110,9 @@ class Request:
         object.__setattr__(self, "speculative", speculative_mode(self.speculative))
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if self.sampling is None:
+            object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None
+                               else DEFAULT_SCHEME)
         self._check()
         if self.seed is not None:     # any integer, as the generators take it: mod 2**64
             object.__setattr__(self, "seed", self.seed % SEEDS)

@@ -179,6 +179,8 @@ def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
     control = controller(session, request)
     switches_before = control.switches
     noise = Noise(sampler, request.seed)
+    if not sampler.greedy:
+        stats.sampling, stats.seed = sampler.scheme, noise.seed
 
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)

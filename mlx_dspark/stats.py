@@ -48,6 +48,8 @@ class Stats(Mapping):
     peak_memory_gb: float | None = None     # MLX's allocator, 10^9 bytes (set at the end)
     peak_rss_gb: float | None = None        # the process's peak resident set (set at the end)
     generations: int = 1          # how many generations these counts sum (Stats.total)
+    sampling: str | None = None   # the scheme of a sampled run (None: greedy)
+    seed: int | None = None       # the seed a sampled run used, given or drawn
 
     def snapshot(self) -> "Stats":
         """A copy that later tokens do not change."""
@@ -132,6 +134,8 @@ class Stats(Mapping):
             "mean_tokens_per_round": self.mean_tokens_per_round,
             "mode_switches": self.switches,
             "predicted_speedup": self.predicted_speedup,
+            "sampling": self.sampling,
+            "seed": self.seed,
             "time": {
                 "prefill": self.t_prefill,
                 "serial": self.t_serial,
@@ -182,6 +186,8 @@ def format_stats(stats: Stats) -> list[str]:
         f"acceptance by position: {format_acceptance(stats)}",
         f"finish: {stats.finish_reason}",
     ]
+    if stats.sampling is not None:
+        lines.insert(1, f"sampling: {stats.sampling}, seed {stats.seed}")
     if stats.peak_memory_gb is not None:
         lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB (MLX), process peak RSS "
                      f"{stats.peak_rss_gb:.3f} GB")
