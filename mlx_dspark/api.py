@@ -95,7 +95,7 @@ class Result:
 
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
-         memory_check: bool = True) -> Pair:
+         memory_check: bool = True, warm: bool = True) -> Pair:
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
@@ -109,7 +109,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
     receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
     memory.InsufficientMemory (a ValueError) when the device cannot give it
-    (docs/history/real-size.md)."""
+    (docs/history/real-size.md). ``warm``: run :func:`warm_up` before returning, so that the
+    first generation is timed (and "auto" decides) on warm kernels."""
     from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits
@@ -130,10 +131,47 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     if memory_check:
         check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
-    return Pair(target=target,
+    pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
                 tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model))
+    if warm:
+        warm_up(pair)
+    return pair
+
+
+def warm_up(pair: Pair, num_draft: int = 3):
+    """Run every kernel a generation runs once, on a throwaway session: serial steps, and
+    rounds of ``num_draft`` drafts (at most the drafter's). MLX compiles a kernel on its
+    first use (on the CPU backend, into a disk cache: about 40 s on a fresh 2-core machine,
+    once); done here, that cost never lands in a generation's timings or in the
+    break-even controller's estimates. Forced modes: the pair's learned controller is not
+    touched."""
+    from .speculative import decode
+
+    prompt = [0, 1]
+    modes = ["off"] if pair.drafter is None else ["off", "on"]
+    if pair.drafter is not None:
+        num_draft = min(num_draft, pair.drafter.max_draft)
+    for mode in modes:
+        session = Session(pair.target, pair.drafter if mode == "on" else None)
+        for _ in decode(session, Request(prompt, max_tokens=num_draft + 3, num_draft=num_draft,
+                                         speculative=mode)):
+            pass
+
+
+def kernel_cache_cold() -> bool:
+    """Whether MLX's CPU backend will compile its kernels first (its disk cache, under the
+    temporary directory, is empty): a fresh machine's first run. Always False on a GPU."""
+    import tempfile
+
+    import mlx.core as mx
+    from .quant import on_gpu
+
+    if on_gpu():
+        return False
+    cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    return not any(cache.glob("*.so"))
 
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 
 from .integrity import VERIFY_LEVELS
 from .request import (DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError,
@@ -192,9 +193,14 @@ def load_pair(args: argparse.Namespace):
                            f"missing); pass --model DIR [--drafter DIR]")
     try:
         pair = api.load(args.model, args.drafter, dtype=args.dtype, verify=args.verify,
-                        memory_check=not args.no_memory_check)
+                        memory_check=not args.no_memory_check, warm=False)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
+    if api.kernel_cache_cold():
+        print(f"mlx-dspark {args.command}: first run on this machine: MLX compiles its CPU "
+              f"kernels now (about a minute; later runs reuse them)", file=sys.stderr,
+              flush=True)
+    api.warm_up(pair, getattr(args, "num_draft", 3))
     return pair
 
 
