@@ -269,6 +269,9 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     t0 = time.perf_counter()
     if caught_up > n + 1:
         control.observe_catchup(t0 - t_start, caught_up)
+    # A probe: "auto" measuring (no estimate yet, or decoding serially), not yet a decision.
+    probe = control.mode == "auto" and (not control.speculating
+                                        or control.predicted_speedup() is None)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])
@@ -286,6 +289,7 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
     _count_round(stats, control, n, a, (t_start, t0, t1, t2, t3, t4))
+    stats.probe_rounds += probe
     return out
 
 
