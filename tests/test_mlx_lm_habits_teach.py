@@ -101,14 +101,8 @@ def test_unknown_flags_name_the_subcommand_and_our_flag(capsys, command, theirs,
     assert ours[2:].replace("-", "_") in vars(cli.build_parser().parse_args([command]))
 
 
-def test_chat_template_args_reach_the_template(pair, capsys, monkeypatch):
-    seen = []
-    real = type(pair.tokenizer).apply_chat_template
-
-    def spy(self, *a, **kw):
-        seen.append(kw)
-        return real(self, *a, **kw)
-    monkeypatch.setattr(type(pair.tokenizer), "apply_chat_template", spy)
+def test_chat_template_args_reach_the_template(pair, capsys, monkeypatch, template_calls):
+    seen = template_calls(pair.tokenizer)
     monkeypatch.setattr(md.api, "load", lambda *a, **kw: pair)
     assert cli.main(["generate", "-p", "hi", "-m", "2", "--chat-template-args",
                      '{"enable_thinking": false, "x": 1}']) == 0

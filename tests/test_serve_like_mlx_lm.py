@@ -90,14 +90,8 @@ def test_models_by_id_and_defaults_applied(engine, pair):
     assert got["usage"]["completion_tokens"] == 3
 
 
-def test_server_chat_template_args_reach_the_template(engine, pair, monkeypatch):
-    seen = []
-    real = type(pair.tokenizer).apply_chat_template
-
-    def spy(self, *a, **kw):
-        seen.append(kw)
-        return real(self, *a, **kw)
-    monkeypatch.setattr(type(pair.tokenizer), "apply_chat_template", spy)
+def test_server_chat_template_args_reach_the_template(engine, pair, template_calls):
+    seen = template_calls(pair.tokenizer)
     client = TestClient(create_app(engine, "m", defaults={
         "chat_template_kwargs": {"enable_thinking": False, "a": 1}}))
     messages = [{"role": "user", "content": "hi"}]
