@@ -3,7 +3,6 @@ reference_drafter, cli_pair) import by name because pytest puts this folder on `
 (rootdir-relative, no ``__init__.py``); the committed tiny drafter fixture's module imports as
 ``fixtures.drafter.tiny`` the same way. Nothing outside tests/ imports from it."""
 
-
 import pytest
 
 
