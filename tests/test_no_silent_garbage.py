@@ -107,3 +107,16 @@ def test_the_command_line_says_so_in_one_line_and_exits_1(monkeypatch, capsys):
     assert "<pad>" not in out.out and out.out.strip() == ""
     assert out.err.count("\n") == 1
     assert out.err.startswith("mlx-dspark generate: error: the model's logits are not finite")
+
+
+def test_float16_models_keep_fp8_weights_decoded_in_float32_and_the_preflight_counts_it(
+        tmp_path):
+    from mlx_dspark.memory import weight_bytes
+    from mlx_dspark.quant import ScaledLinear
+
+    path = convert(str(FIX / "modelopt" / "target_mixed"), tmp_path / "mixed", progress=False)
+    model = load_target(str(path), dtype=mx.float16)
+    fp8 = [m for _, m in model.named_modules() if isinstance(m, ScaledLinear)]
+    assert fp8 and all(m.weight.dtype == mx.float32 for m in fp8)
+    numel = sum(m.weight.size for m in fp8)
+    assert weight_bytes(path, mx.float16)[0] - weight_bytes(path, mx.bfloat16)[0] == 2 * numel
