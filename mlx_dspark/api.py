@@ -99,8 +99,9 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
-    GPU, fp32 on the CPU). ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
-    of ModelOpt exports, converted on first use into the cache (model_cache.py). A local
+    GPU, fp32 on the CPU). ``model``/``drafter``: local directories of converted checkpoints,
+    or Hugging Face repo ids of ModelOpt exports, converted on first use into the cache
+    (model_cache.py). A local
     directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
     drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).

@@ -86,8 +86,8 @@ class Request:
     drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md);
     None (the default) is "reproducible" when a seed is given, so that a seed means the same
     text in every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a
-    random one (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
-    fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
+    random one (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run
+    (emitted, never fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding
     and reasoning budgets; a request that sets them is refused until they are honoured."""
 
