@@ -82,14 +82,14 @@ class Request:
     """One generation: the prompt's token ids and every option (mlx-lm's meanings: top_p 0 or 1
     and top_k 0 are "off", temperature 0 is greedy).
 
-    ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the
-    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md);
-    None (the default) is "reproducible" when a seed is given, so that a seed means the same
-    text in every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a
-    random one (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run
-    (emitted, never fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
-    layer). ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding
-    and reasoning budgets; a request that sets them is refused until they are honoured."""
+    ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the drafter is
+    not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md); None (the
+    default) is "reproducible" when a seed is given, so that a seed means the same text in every
+    mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a random one (the
+    one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never fed);
+    ``stop_strings``: texts that end it (cut before them, by the API's detokenizing layer).
+    ``grammar`` and ``thinking_token_budget`` are reserved for constrained decoding and
+    reasoning budgets; a request that sets them is refused until they are honoured."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256

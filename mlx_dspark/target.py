@@ -603,11 +603,11 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
                 verify: str = "auto") -> NemotronH:
     """Load a converted (or plain HF-format) Nemotron-H directory.
 
-    ``dtype``: compute dtype or its name, default :func:`default_dtype`. ``nvfp4``:
-    ``"quantized"`` or ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed
-    experts always stay packed (quant.make_experts). ``verify``: how much of the files is
-    checked against the conversion receipt first (integrity.py); a converted directory
-    without a receipt needs ``verify="none"``."""
+    ``dtype``: compute dtype or its name, default :func:`default_dtype`. ``nvfp4``: ``"quantized"``
+    or ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed experts
+    always stay packed (quant.make_experts). ``verify``: how much of the files is checked
+    against the conversion receipt first (integrity.py); a converted directory without a receipt
+    needs ``verify="none"``."""
     dtype = compute_dtype(dtype)
     raw = read_target_config(path)
     cfg_path = os.path.join(path, "config.json")
