@@ -61,3 +61,23 @@ def test_the_command_line_gives_the_same_text_in_every_mode_for_a_seed(capsys):
                          "--speculative", mode]) == 0
         texts.add(capsys.readouterr().out)
     assert len(texts) == 1
+
+
+def test_a_seeded_server_request_under_auto_is_the_serial_text(pair):
+    from starlette.testclient import TestClient
+
+    from mlx_dspark.engine import Engine
+    from mlx_dspark.server import create_app
+
+    engine = Engine(lambda: pair, max_queue=2, cache_bytes=0)
+    engine.start()
+    try:
+        client = TestClient(create_app(engine, "m", defaults={"speculative": "auto",
+                                                              "num_draft": 3}))
+        got = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
+                                                   "temperature": 1.0, "seed": 5}).json()
+    finally:
+        engine.stop()
+    want = md.generate(pair, PROMPT, max_tokens=30, temperature=1.0, seed=5, speculative="off")
+    assert got["choices"][0]["text"] == want.text
+    assert got["dspark"]["seed"] == 5 and got["dspark"]["sampling"] == "reproducible"
