@@ -144,7 +144,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
 def warm_up(pair: Pair, num_draft: int = 3):
     """Run every kernel a generation runs once, on a throwaway session: serial steps, and
     rounds of ``num_draft`` drafts (at most the drafter's). MLX compiles a kernel on its
-    first use (on the CPU backend, into a disk cache: about 40 s on a fresh 2-core machine,
+    first use (on the CPU backend, into a disk cache: about 50 s on a fresh 2-core machine,
     once); done here, that cost never lands in a generation's timings or in the
     break-even controller's estimates. Forced modes: the pair's learned controller is not
     touched."""
