@@ -246,6 +246,9 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     config = load_json(s / "config.json")
     if not isinstance(config, dict):
         raise ConversionError(f"{s / 'config.json'}: not a JSON object")
+    if (config.get("quantization") or {}).get("layout") == LAYOUT:
+        raise ConversionError(f"{src}: already converted (its config.json has the {LAYOUT} "
+                              f"layout): load it as it is (--model / --drafter)")
     spec = parse_quant_spec(s, config)
     plan = build_plan(s, config, spec, keep_mtp=keep_mtp)
     if plan.kind == TARGET:

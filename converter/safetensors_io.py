@@ -105,7 +105,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise ConversionError(f"{path}: corrupt safetensors header (nested too deeply)") from None
     if not isinstance(header, dict):
         raise ConversionError(f"{path}: corrupt safetensors header (not a JSON object)")
-    meta = header.pop("__metadata__", {})
+    meta = header.pop("__metadata__", None) or {}      # MLX writes null
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ConversionError(f"{path}: corrupt safetensors header (__metadata__ must map str to str)")
 

@@ -7,6 +7,7 @@ with requests of their own."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from .integrity import check_level
 from . import reasoning
 from .request import Request, RequestError, Thinking, speculative_mode, split_stops
 from .session import Session
-from .stats import Stats
+from .stats import Stats, format_stats
 from .tokenizer import load_tokenizer, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
@@ -34,6 +35,7 @@ class Pair:
     # What the break-even controller learned in earlier calls (costs, acceptance): a fresh
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
+    path: Path | None = None      # the target's directory (md.load sets it)
 
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
@@ -49,6 +51,12 @@ class Pair:
                           "speculative= to each generate() call", DeprecationWarning,
                           stacklevel=2)
         return Session(self.target, self.drafter, home=self)
+
+    def __iter__(self):
+        # mlx-lm's ``model, tokenizer = load(...)``: one line with this package's spelling.
+        raise TypeError("md.load() returns one Pair, not (model, tokenizer): write "
+                        "`pair = md.load(...)` and `md.generate(pair, prompt)`; its parts are "
+                        "pair.target, pair.drafter and pair.tokenizer")
 
     def stop_tokens(self) -> frozenset:
         """The ids that always end a generation (the tokenizer's eos ids)."""
@@ -105,11 +113,13 @@ class Result:
 
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
-         memory_check: bool = True) -> Pair:
+         memory_check: bool = True, warm: bool = True) -> Pair:
     """Load a converted target (and drafter).
 
-    ``model``/``drafter``: local directories of converted checkpoints, or Hugging Face repo ids
-    of ModelOpt exports, converted on first use into the cache (model_cache.py). A local
+    ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
+    GPU, fp32 on the CPU). ``model``/``drafter``: local directories of converted checkpoints,
+    or Hugging Face repo ids of ModelOpt exports, converted on first use into the cache
+    (model_cache.py). A local
     directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
     drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).
@@ -118,11 +128,12 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
     receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
     memory.InsufficientMemory (a ValueError) when the device cannot give it
-    (docs/history/real-size.md)."""
+    (docs/history/real-size.md). ``warm``: run :func:`warm_up` before returning, so that the
+    first generation is timed (and "auto" decides) on warm kernels."""
     from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits
-    from .target import default_dtype, load_target
+    from .target import compute_dtype, load_target, read_target_config
 
     if model is None:
         model = DEMO / "target"
@@ -132,21 +143,60 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
         if name is not None and not model_cache.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
+    dtype = compute_dtype(dtype)
     model = model_cache.resolve(model)
     drafter = model_cache.resolve(drafter) if drafter is not None else None
+    read_target_config(model)     # a drafter or another architecture: said before anything
     if memory_check:
-        check_fits(model, drafter, dtype or default_dtype())
+        check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
-    return Pair(target=target,
+    pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
-                tokenizer=load_tokenizer(model, target.config.vocab_size))
+                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model))
+    if warm:
+        warm_up(pair)
+    return pair
+
+
+def warm_up(pair: Pair, num_draft: int = 3):
+    """Run every kernel a generation runs once, on a throwaway session: serial steps, and
+    rounds of ``num_draft`` drafts (at most the drafter's). MLX compiles a kernel on its
+    first use (on the CPU backend, into a disk cache: about 50 s on a fresh 2-core machine,
+    once); done here, that cost never lands in a generation's timings or in the
+    break-even controller's estimates. Forced modes: the pair's learned controller is not
+    touched."""
+    from .speculative import decode
+
+    prompt = [0, 1]
+    modes = ["off"] if pair.drafter is None else ["off", "on"]
+    if pair.drafter is not None:
+        num_draft = min(num_draft, pair.drafter.max_draft)
+    for mode in modes:
+        session = Session(pair.target, pair.drafter if mode == "on" else None)
+        for _ in decode(session, Request(prompt, max_tokens=num_draft + 3, num_draft=num_draft,
+                                         speculative=mode)):
+            pass
+
+
+def kernel_cache_cold() -> bool:
+    """Whether MLX's CPU backend will compile its kernels first (its disk cache, under the
+    temporary directory, is empty): a fresh machine's first run. Always False on a GPU."""
+    import tempfile
+
+    import mlx.core as mx
+    from .quant import on_gpu
+
+    if on_gpu():
+        return False
+    cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    return not any(cache.glob("*.so"))
 
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
-                 chat_template_kwargs: dict | None = None, sampling: str = "rejection",
+                 chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
     the tokenizer's eos ids among the stop tokens)."""
@@ -178,6 +228,31 @@ def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
     return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
 
 
+# mlx-lm's keywords (and the draft model's), and how they are spelled here.
+MLX_LM_KEYWORDS = {
+    "temp": "temperature=", "draft_model": "md.load(model, drafter)",
+    "num_draft_tokens": "num_draft=", "sampler": "temperature=, top_p=, top_k=",
+    "prompt_cache": "session=pair.session()", "formatter": "stream_generate()",
+}
+
+
+def _check_call(function: str, pair, prompt, options: dict):
+    """mlx-lm's call shapes refused in one line that shows this package's."""
+    if not isinstance(pair, Pair):
+        raise TypeError(f"{function}(pair, prompt, ...): the first argument is the Pair "
+                        f"md.load() returns, not {type(pair).__name__}")
+    if hasattr(prompt, "encode") and not isinstance(prompt, (str, bytes)):
+        raise TypeError(f"{function}(pair, prompt, ...) takes no tokenizer (the pair holds it): "
+                        f"mlx-lm's {function}(model, tokenizer, prompt) is "
+                        f"md.{function}(pair, prompt) here")
+    known = set(inspect.signature(make_request).parameters) - {"pair", "prompt", "max_tokens"}
+    for name in options:
+        if name not in known:
+            hint = MLX_LM_KEYWORDS.get(name)
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}"
+                            + (f" (mlx-lm's {name}; here: {hint})" if hint else ""))
+
+
 def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
                     session: Session | None = None, **options) -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
@@ -195,11 +270,18 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
     the block itself and the model answers.
 
-    ``sampling``: "rejection" (the default: more drafts accepted) or "reproducible" (a ``seed``
-    gives the same tokens whether or not and however the drafter speculates); both sample
-    exactly the warped target (docs/sampling.md). Greedy decoding is the same in both.
+    ``sampling``: "rejection" (more drafts accepted) or "reproducible" (a ``seed`` gives the
+    same tokens whether or not and however the drafter speculates); both sample exactly the
+    warped target (docs/sampling.md). The default is "reproducible" when a ``seed`` is given,
+    else "rejection". Greedy decoding is the same in both. The seed used, given or drawn, is
+    ``stats.seed``.
 
     ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
+    _check_call("stream_generate", pair, prompt, options)
+    return _stream_generate(pair, prompt, max_tokens, session, options)
+
+
+def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chunk]:
     if isinstance(prompt, Request):
         given = [*options] + (["max_tokens"] if max_tokens is not None else [])
         if given:
@@ -265,15 +347,22 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
         tokens.close()
 
 
-def generate(pair: Pair, prompt, max_tokens: int | None = None, **kwargs) -> Result:
-    """Generate and return the whole result (same arguments as ``stream_generate``)."""
+def generate(pair: Pair, prompt, max_tokens: int | None = None, *,
+             session: Session | None = None, verbose: bool = False, **options) -> Result:
+    """Generate and return the whole result (same arguments as ``stream_generate``).
+    ``verbose=True`` (mlx-lm's) also prints the text as it comes and then the stats."""
+    _check_call("generate", pair, prompt, options)
     text, thought, tokens, stats = [], [], [], None
-    for chunk in stream_generate(pair, prompt, max_tokens=max_tokens, **kwargs):
+    for chunk in _stream_generate(pair, prompt, max_tokens, session, options):
         text.append(chunk.text)
         thought.append(chunk.reasoning)
+        if verbose:
+            print(chunk.text, end="", flush=True)
         if not chunk.stop:
             tokens.append(chunk.token)
         stats = chunk.stats
+    if verbose:
+        print("\n".join(["", "=========="] + format_stats(stats)), flush=True)
     return Result("".join(text), tokens, stats, "".join(thought))
 
 

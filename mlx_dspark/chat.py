@@ -75,7 +75,8 @@ class Chat:
         self.pair, self.args = pair, args
         self.session = pair.session()
         self.conversation = Conversation(pair.tokenizer,
-                                         template_options(pair.tokenizer, args.reasoning),
+                                         template_options(pair.tokenizer, args.reasoning,
+                                                          args.chat_template_args),
                                          args.system_prompt)
         self.turns: list[Stats] = []   # final stats of each answer since the last /reset
 

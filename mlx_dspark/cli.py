@@ -20,8 +20,10 @@ from mlx_dspark import __version__, commands
 from mlx_dspark.cli_support import CommandError
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.integrity import CheckpointError
+from mlx_dspark.request import NonFiniteLogits
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError,
+                                            NonFiniteLogits)
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# mlx-lm's flags (and llama.cpp's) that mlx-dspark spells differently.
+OUR_SPELLING = {"--draft-model": "--drafter", "--num-draft-tokens": "--num-draft",
+                "--chat-template-config": "--chat-template-args", "--temperature": "--temp",
+                "--max-tokens-to-generate": "--max-tokens"}
+
+
+def unknown_flags(command: str, extra: list[str]) -> str:
+    """The usage error for arguments ``command`` does not take, naming ours where mlx-lm's
+    spelling was used."""
+    hints = [f"{flag} is {OUR_SPELLING[flag]} here" for flag in
+             (a.split("=", 1)[0] for a in extra) if flag in OUR_SPELLING]
+    return (f"mlx-dspark {command}: error: unrecognized arguments: {' '.join(extra)}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f" (see mlx-dspark {command} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.exit(2, unknown_flags(args.command, extra))
     try:
         return args.run(args)
     except USER_ERRORS as e:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 
 from .integrity import VERIFY_LEVELS
-from .request import FLAGS, MODES, SEEDS, RequestError, check_sampling
+from .request import (DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError,
+                      check_sampling)
 
 
 class CommandError(Exception):
@@ -82,8 +84,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 keeps all tokens")
     p.add_argument("--seed", type=_seed, metavar="S",
                    help="random seed for sampling, 0 to 2**64-1 (-1 or no --seed: a random "
-                        "one); reproduces a run in the same --speculative mode, and with "
-                        "--sampling reproducible in every mode")
+                        "one, shown by --stats); gives the same text in every --speculative "
+                        "mode (unless --sampling rejection: then in the same mode)")
     add_scheme_argument(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
@@ -94,6 +96,28 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--thinking-token-budget", type=_at_least(0), metavar="N",
                    help="most tokens the model thinks before the engine closes its thinking "
                         "block and it answers (default: no cap)")
+    add_template_arguments(p)
+
+
+def add_template_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
+                   help="variables for the chat template as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' (mlx-lm's flag)")
+
+
+def json_object(s: str) -> dict:
+    """An argparse type: a JSON object."""
+    import json
+    try:
+        value = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {s!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"
 
 
 def add_system_prompt_argument(p: argparse.ArgumentParser) -> None:
@@ -119,11 +143,12 @@ def _boolean(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected True or False, not {s!r}")
 
 
-def add_scheme_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sampling", choices=("rejection", "reproducible"), default="rejection",
-                   help="rejection: accepts the most drafts (default); reproducible: a seed "
-                        "fixes the text whatever the drafter does, at some acceptance "
-                        "(docs/sampling.md)")
+def add_scheme_argument(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--sampling", choices=SCHEMES, default=default,
+                   help="rejection: accepts the most drafts; reproducible: a seed fixes the "
+                        "text whatever the drafter does, at some acceptance "
+                        "(docs/sampling.md); default: " + (default or "reproducible with "
+                        "--seed, else rejection"))
 
 
 def _at_least(low: int, high: int | None = None):
@@ -159,24 +184,26 @@ def load_pair(args: argparse.Namespace):
     options are checked first, so a typo costs no loading time."""
     from . import api
 
-    if hasattr(args, "temp"):          # generate, chat, bench (serve takes them per request)
+    if hasattr(args, "sampling"):      # generate, chat, bench (serve checks its own defaults)
         try:
-            check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0), args.sampling)
+            check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0),
+                           args.sampling or DEFAULT_SCHEME)
         except RequestError as e:
             raise flag_error(e) from None
 
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
                            f"missing); pass --model DIR [--drafter DIR]")
-    dtype = None
-    if args.dtype:
-        import mlx.core as mx
-        dtype = getattr(mx, args.dtype)
     try:
-        pair = api.load(args.model, args.drafter, dtype=dtype, verify=args.verify,
-                        memory_check=not args.no_memory_check)
+        pair = api.load(args.model, args.drafter, dtype=args.dtype, verify=args.verify,
+                        memory_check=not args.no_memory_check, warm=False)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
+    if api.kernel_cache_cold():
+        print(f"mlx-dspark {args.command}: first run on this machine: MLX compiles its CPU "
+              f"kernels now (about a minute; later runs reuse them)", file=sys.stderr,
+              flush=True)
+    api.warm_up(pair, getattr(args, "num_draft", 3))
     return pair
 
 

@@ -16,9 +16,10 @@ from .stats import format_stats
 
 from .cli_support import (CatchInterrupt, CommandError, _at_least, _positive,
                           add_model_arguments, add_sampling_arguments, add_scheme_argument,
-                          add_stats_argument, add_system_prompt_argument, flag_error, load_pair,
-                          request_options, require_chat_template, utf8_text)
-from .request import MODES
+                          add_stats_argument, add_system_prompt_argument,
+                          add_template_arguments, flag_error, load_pair, request_options,
+                          require_chat_template, utf8_text)
+from .request import MODES, RequestError, check_sampling
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,8 +73,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = system + [{"role": "user", "content": prompt}]
     try:      # the prompt does not fit the model, --num-draft beyond the drafter, ...
         request = api.make_request(pair, prompt, chat=templated,
-                                   chat_template_kwargs=template_options(pair.tokenizer,
-                                                                         args.reasoning),
+                                   chat_template_kwargs=template_options(
+                                       pair.tokenizer, args.reasoning, args.chat_template_args),
                                    **request_options(args))
         stream = api.stream(pair, request)
     except ValueError as e:
@@ -145,7 +146,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
-    add_scheme_argument(p)
+    add_scheme_argument(p, default="rejection")
     p.add_argument("--repeats", type=_positive, default=1, metavar="R",
                    help="runs per prompt and mode; the median is reported (default 1)")
     p.add_argument("--domains", metavar="LIST",
@@ -187,38 +188,90 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
-    p.add_argument("--chat-template-args", type=_json_object, default={}, metavar="JSON",
-                   help="chat template variables for every request, which a request's "
-                        "chat_template_kwargs override (e.g. '{\"enable_thinking\": false}')")
+    defaults = p.add_argument_group(
+        "request defaults", "for fields a request leaves out; without the flag, the model's "
+        "generation_config.json, else OpenAI's (temperature 1, top_p 1, no top_k, no limit)")
+    defaults.add_argument("--temp", type=float, metavar="T", help="temperature (0: greedy)")
+    defaults.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling")
+    defaults.add_argument("--top-k", type=int, metavar="K", help="0 keeps all tokens")
+    defaults.add_argument("-m", "--max-tokens", type=_positive, metavar="N",
+                          help="most tokens per answer")
+    add_template_arguments(defaults)
 
 
-def _json_object(s: str) -> dict:
-    """An argparse type: a JSON object."""
+# serve's flag -> (the request field it defaults, generation_config.json's key)
+SERVE_DEFAULTS = {"temp": ("temperature", "temperature"), "top_p": ("top_p", "top_p"),
+                  "top_k": ("top_k", "top_k"), "max_tokens": ("max_tokens", "max_new_tokens")}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve_defaults(args: argparse.Namespace, model_dir) -> dict:
+    """The defaults of request fields: the flags given, else the model's
+    generation_config.json (``do_sample: false`` there means greedy), checked as a request's."""
     import json
+
+    generation = {}
+    path = model_dir / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            generation = json.loads(path.read_text())
+        except ValueError as e:
+            raise CommandError(f"{path}: not valid JSON ({e})") from None
+        if generation.get("do_sample") is False:
+            generation["temperature"] = 0.0
+    out = {}
+    for flag, (field, key) in SERVE_DEFAULTS.items():
+        value = getattr(args, flag)
+        if value is None:
+            value = generation.get(key)
+        if value is not None:
+            out[field] = value
     try:
-        value = json.loads(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+        check_sampling(out.get("temperature", 0.0), out.get("top_p", 1.0), out.get("top_k", 0))
+    except RequestError as e:
+        raise flag_error(e) from None
+    if args.chat_template_args:
+        out["chat_template_kwargs"] = args.chat_template_args
+    return out
+
+
+def model_names(args: argparse.Namespace, model_dir) -> list[str]:
+    """The id the server reports first, then every other name a client may use for it: the
+    name, path or repo id it was started with, and the directory it was loaded from."""
+    from pathlib import Path
+
+    if args.model is None:
+        return ["mlx-dspark-demo"]
+    names = [Path(args.model).name, args.model]
+    if model_dir is not None:
+        names += [str(model_dir), str(Path(model_dir).resolve())]
+    return list(dict.fromkeys(names))
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .engine import Engine
-    from .server import serve
+    from .server import listen, serve
 
-    defaults = dict(num_draft=args.num_draft, speculative=args.speculative)
+    if args.host not in LOOPBACK and args.api_key is None:
+        print(f"mlx-dspark serve: warning: listening on {args.host} without --api-key: anyone "
+              f"who can reach this machine can use the model", file=sys.stderr)
+    try:
+        sock = listen(args.host, args.port)     # before loading: a busy port costs nothing
+    except OSError as e:
+        print(f"mlx-dspark serve: error: cannot listen on {args.host}:{args.port}: "
+              f"{e.strerror or e} (another server there? pick another --port)", file=sys.stderr)
+        return 1
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
                     use_drafter=args.speculative != "off")
-    engine.start()      # loads the pair on the engine's thread; CommandError comes back here
     code = 0
     try:
+        engine.start()      # loads the pair on the engine's thread; CommandError comes here
         _check_serve_flags(engine.pair, args)
-        serve(engine, Path(args.model).name if args.model else "mlx-dspark-demo", args.host,
-              args.port, args.api_key, defaults, args.chat_template_args)
+        defaults = serve_defaults(args, engine.pair.path)
+        names = model_names(args, engine.pair.path)
+        print(banner(engine.pair, names[0], sock, defaults), file=sys.stderr, flush=True)
+        serve(engine, names, sock, args.api_key,
+              dict(defaults, num_draft=args.num_draft, speculative=args.speculative))
     except KeyboardInterrupt:
         print("mlx-dspark serve: interrupted", file=sys.stderr)
         code = 130
@@ -227,12 +280,27 @@ def run_serve(args: argparse.Namespace) -> int:
         code = 1
     finally:
         engine.stop()
+        sock.close()
     # Everything is stopped and flushed. The interpreter's own exit can still abort here
     # ("terminate called without an active exception": native threads torn down after a
     # server run), which would turn a clean Ctrl-C into SIGABRT, so leave without finalizers.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def banner(pair, model_id: str, sock, defaults: dict) -> str:
+    """What is served, where, with what memory: the start line."""
+    import mlx.core as mx
+
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    drafter = "with its DSpark drafter" if pair.drafter is not None else "without a drafter"
+    dtype = str(pair.target.dtype).rsplit(".", 1)[-1]
+    shown = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "OpenAI's"
+    return (f"mlx-dspark serve: {model_id} ({pair.path}) {drafter}, {dtype}, "
+            f"{mx.get_active_memory() / 1e9:.3f} GB in memory, on http://{host}:{port}/v1 "
+            f"(request defaults: {shown})")
 
 
 def _check_serve_flags(pair, args: argparse.Namespace):

@@ -33,6 +33,7 @@ from .kernels.attention import sink_attention, window_mask
 from .kernels.norm import FUSED_ROWS, rms_norm
 from .quant import Weights
 from .sampling import gumbel_max
+from .target import compute_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,11 +335,12 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
                  verbose: bool = False, verify: str = "auto") -> Drafter:
     """Load a converted DSpark drafter for ``target`` and pass it through the weight-load gate.
 
-    ``dtype`` is the compute dtype (None: the target's ``dtype`` attribute if it has one, else
-    float32). ``nvfp4`` picks the NVFP4 compute path as for the target (quant.nvfp4_policy
-    when None). The drafter borrows the target's lm_head, and its embedding when the drafter's
-    own copy is bit-identical to it. ``verify``: how much of the files is checked against the
-    conversion receipt first (integrity.py); a drafter without a receipt needs ``"none"``."""
+    ``dtype`` is the compute dtype or its name (None: the target's ``dtype`` attribute if it has
+    one, else float32). ``nvfp4`` picks the NVFP4 compute path as for the target
+    (quant.nvfp4_policy when None). The drafter borrows the target's lm_head, and its embedding
+    when the drafter's own copy is bit-identical to it. ``verify``: how much of the files is
+    checked against the conversion receipt first (integrity.py); a drafter without a receipt
+    needs ``"none"``."""
     cfg_file = os.path.join(path, "config.json")
     try:
         with open(cfg_file) as fh:
@@ -358,6 +360,7 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
     check_fits(cfg, target, cfg_file)
     if dtype is None:
         dtype = getattr(target, "dtype", None) or mx.float32
+    dtype = compute_dtype(dtype)
 
     check_checkpoint(path, verify)
     weights, origin = read_weights(path)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import api, logprobs
 from .openai_api import ApiError
 from .prefix_cache import PrefixCache
-from .request import Request
+from .request import NonFiniteLogits, Request
 from .session import Session
 
 log = logging.getLogger("mlx_dspark.serve")
@@ -123,6 +123,8 @@ class Engine:
             try:
                 if not job.cancelled.is_set():
                     self._run(job)
+            except NonFiniteLogits as e:      # the session reset itself; the reason is news
+                job.emit("error", f"generation failed: {e}")
             except Exception as e:
                 log.exception("generation failed")
                 self.session.reset()          # the state may be half-updated

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .integrity import checkpoint_files
-from .quant import on_gpu
+from .quant import accumulation_dtype, on_gpu
 
 GB = 1e9
 DEFAULT_CONTEXT = 8192
@@ -55,6 +55,7 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
     from .converter.safetensors_io import ITEMSIZE, read_header
 
     compute = mx.finfo(dtype).bits // 8
+    decoded = mx.finfo(accumulation_dtype(dtype)).bits // 8     # FP8 in a float16 model: fp32
     infos = {}
     for f in checkpoint_files(path):      # what the load will read; the path is no pattern
         infos.update(read_header(Path(f)))
@@ -65,7 +66,7 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
             size = stored                              # packed NVFP4, embedding tables
         elif t.dtype == "U8":                          # FP8 weights are decoded at load
             fp8 = name.endswith(".weight") and f"{name[:-7]}.weight_scale" in infos
-            size = compute if fp8 else stored
+            size = decoded if fp8 else stored
         else:
             size = max(stored, compute)
         total += t.numel * size

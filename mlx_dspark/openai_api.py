@@ -107,8 +107,15 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
-    """api.make_request keyword arguments from the OpenAI sampling fields."""
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def sampling_options(body: dict, default_max_tokens: int | None,
+                     defaults: dict | None = None) -> dict:
+    """api.make_request keyword arguments from the OpenAI sampling fields; a field the body
+    leaves out takes the server's default (``defaults``: ``serve --temp`` ... or the model's
+    generation_config.json), else OpenAI's."""
+    defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
     num = (int, float)
     temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 2 and math.isfinite(t),
                        "between 0 and 2")
@@ -128,10 +135,11 @@ def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
     n = _get(body, "n", (int,))
     if n not in (None, 1):
         raise ApiError("'n' must be 1: this server returns one choice per request", "n")
-    return dict(max_tokens=max_tokens or default_max_tokens,
-                temperature=float(temperature) if temperature is not None else 1.0,
-                top_p=float(top_p) if top_p is not None else 1.0, top_k=top_k or 0, seed=seed,
-                stop=stop)
+    return dict(max_tokens=max_tokens or defaults.get("max_tokens") or default_max_tokens,
+                temperature=float(temperature if temperature is not None
+                                  else defaults["temperature"]),
+                top_p=float(top_p if top_p is not None else defaults["top_p"]),
+                top_k=top_k if top_k is not None else defaults["top_k"], seed=seed, stop=stop)
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -297,11 +305,17 @@ def completion_prompt(body: dict, vocab: int):
                        "(one prompt per request)", "prompt")
 
 
-def check_model(body: dict, model_id: str):
+def check_model(body: dict, model_ids):
+    """``model`` absent, or one of the names the server answers to (``model_ids``: its id
+    first, then the name, path or repo id it was started with)."""
     model = _get(body, "model", (str,))
-    if model is not None and model != model_id:
+    if model is not None and model not in model_ids:
         raise ApiError(f"model '{model}' is not served here; this server serves "
-                           f"'{model_id}'", "model", "model_not_found")
+                       f"'{model_ids[0]}'", "model", "model_not_found")
+
+
+def model_object(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark"}
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -10,7 +10,12 @@ A converted module at prefix ``P`` is one of:
 * ``dense``: ``P.weight`` in its source dtype.
 
 The tensor scales are applied to the matmul *output*: ``x @ (q * s)^T == (x @ q^T) * s``
-is exact algebra, so nothing is re-rounded into the stored scales.
+is exact algebra, so nothing is re-rounded into the stored scales. The product before the
+scale is large (E2M1 up to 6 times an E4M3 block scale up to 448, summed over the inputs: 7e4
+on the demo target, whose tensor scales are ~2e-4), beyond float16's 65504, so in a float16
+model these layers accumulate in float32 (:func:`accumulation_dtype`), as NVIDIA's kernels
+apply the tensor scale to a float32 accumulator; bf16 and fp32 have the range and stay as
+they are.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ def fp8_e4m3_to_float(raw: mx.array, dtype=mx.float32) -> mx.array:
     return mx.from_fp8(raw, dtype=dtype)
 
 
+def accumulation_dtype(dtype):
+    """The dtype a scaled matmul computes in for activations of ``dtype``: float32 for
+    float16 (the unscaled product overflows it), else ``dtype``."""
+    return mx.float32 if dtype == mx.float16 else dtype
+
+
 class NVFP4Linear(nn.Module):
     def __init__(self, weight, scales, weight_scale_2, bias=None):
         super().__init__()
@@ -39,10 +50,10 @@ class NVFP4Linear(nn.Module):
 
     def __call__(self, x):
         y = mx.quantized_matmul(
-            x, self.weight, self.scales, transpose=True,
+            x.astype(accumulation_dtype(x.dtype)), self.weight, self.scales, transpose=True,
             group_size=GROUP_SIZE, bits=4, mode="nvfp4",
         )
-        y = y * self.weight_scale_2.astype(y.dtype)
+        y = (y * self.weight_scale_2.astype(y.dtype)).astype(x.dtype)
         if "bias" in self:
             y = y + self.bias
         return y
@@ -68,7 +79,8 @@ class ScaledLinear(nn.Module):
             self.bias = bias
 
     def __call__(self, x):
-        y = (x @ self.weight.T) * self.scale.astype(x.dtype)
+        w = self.weight      # decoded in the accumulation dtype (make_linear)
+        y = ((x.astype(w.dtype) @ w.T) * self.scale.astype(w.dtype)).astype(x.dtype)
         if "bias" in self:
             y = y + self.bias
         return y
@@ -121,11 +133,11 @@ def make_linear(weights: dict, prefix: str, dtype=mx.float32, nvfp4: str | None 
         w, s = weights[f"{prefix}.weight"], weights[f"{prefix}.scales"]
         ws2 = weights[f"{prefix}.weight_scale_2"].astype(mx.float32)
         if (nvfp4 or NVFP4_POLICY) == "dequantized":
-            return ScaledLinear(dequantize_nvfp4(w, s, dtype), ws2, bias)
+            return ScaledLinear(dequantize_nvfp4(w, s, accumulation_dtype(dtype)), ws2, bias)
         return NVFP4Linear(w, s, ws2, bias)
     if fmt == "fp8":
         return FP8Linear(weights[f"{prefix}.weight"], weights[f"{prefix}.weight_scale"]
-                         .astype(mx.float32), dtype, bias)
+                         .astype(mx.float32), accumulation_dtype(dtype), bias)
     w = weights[f"{prefix}.weight"].astype(dtype)
     layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
     layer.weight = w
@@ -151,8 +163,9 @@ def expert_compute_dtype(dtype):
     """The dtype the gathered expert matmuls run in. MLX's CPU ``gather_mm`` only accepts
     float32 and its CPU ``gather_qmm`` is several times slower in bf16 than in float32
     (measured, benchmarks/bench_target.py), so on the CPU experts compute in float32 whatever
-    the model dtype; their inputs and outputs are cast at the boundary."""
-    return dtype if on_gpu() else mx.float32
+    the model dtype; their inputs and outputs are cast at the boundary. A float16 model's
+    experts compute in float32 everywhere (:func:`accumulation_dtype`)."""
+    return accumulation_dtype(dtype) if on_gpu() else mx.float32
 
 
 class NVFP4Experts(nn.Module):

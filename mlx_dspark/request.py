@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 MODES = ("auto", "on", "off")
 SCHEMES = ("reproducible", "rejection")
-# The default: rejection sampling, because the coupled scheme accepted 20 % fewer tokens per
-# round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed to cost
-# (docs/sampling.md has the table and the command).
+# The default without a seed: rejection sampling, because the coupled scheme accepted 20 %
+# fewer tokens per round at T = 1, top-p 0.95 on the demo pair, beyond the 10 % it was allowed
+# to cost (docs/sampling.md has the table and the command). With a seed the default is
+# "reproducible": a seed then means the same text in every mode, whatever "auto" decides.
 DEFAULT_SCHEME = "rejection"
+SEEDED_SCHEME = "reproducible"
 SEEDS = 1 << 64
 MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
 
@@ -47,6 +49,11 @@ class RequestError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A generation whose model state stopped being finite (inf or NaN logits): ended with
+    this error instead of emitting token 0 forever."""
 
 
 def speculative_mode(value) -> str:
@@ -86,8 +93,10 @@ class Request:
     and top_k 0 are "off", temperature 0 is greedy).
 
     ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the
-    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md).
-    ``seed``: any integer (taken mod 2**64), None for a random one. ``stop_tokens``: ids that end the run (emitted, never
+    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md); None
+    (the default) is "reproducible" when a seed is given, so that a seed means the same text in
+    every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a random one
+    (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
     API then tells reasoning from answer), else None. ``thinking_token_budget``: most tokens
@@ -100,7 +109,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    sampling: str = DEFAULT_SCHEME
+    sampling: str | None = None
     num_draft: int = 3
     speculative: str = "auto"
     seed: int | None = None
@@ -115,6 +124,9 @@ class Request:
         object.__setattr__(self, "speculative", speculative_mode(self.speculative))
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if self.sampling is None:
+            object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None
+                               else DEFAULT_SCHEME)
         self._check()
         if self.seed is not None:     # any integer, as the generators take it: mod 2**64
             object.__setattr__(self, "seed", self.seed % SEEDS)

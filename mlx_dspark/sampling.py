@@ -63,6 +63,7 @@ class Noise:
     def __init__(self, sampler: Sampler, seed: int | None):
         if seed is None:          # else in [0, 2**64) (request.Request reduces it)
             seed = int.from_bytes(os.urandom(8), "little")
+        self.seed = seed          # the one used, given or drawn (Stats.seed)
         self.sampler = sampler
         self.word = seed_word(seed)
         self.key = mx.random.key(seed)

@@ -2,7 +2,8 @@
 (docs/serve.md).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when asked), ``POST /v1/messages`` (Anthropic), ``GET /v1/models``, ``GET /health``.
+events when asked), ``POST /v1/messages`` (Anthropic), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``.
 
 Handlers only parse (openai_api.py, anthropic_api.py), tokenize, queue and relay: the :class:`Engine` thread
 (engine.py) runs the generations, and a token reaches the client through an asyncio queue as
@@ -29,7 +30,7 @@ from . import anthropic_api, logprobs
 from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse,
                          chat_messages, check_fields, check_model, completion_prompt,
                          error_response, logprobs_request, parse_body, sampling_options,
-                         stream_flags, thinking_options, tool_use, _get)
+                         stream_flags, thinking_options, tool_use, _get, model_object)
 from .request import RequestError as RequestValueError
 from .tokenizer import chat_ids, prompt_ids
 
@@ -49,14 +50,21 @@ async def _events(job: Job):
         job.cancelled.set()
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None,
-               defaults: dict | None = None, template_defaults: dict | None = None) -> Starlette:
-    """The ASGI app; ``engine`` must be started (its pair loaded). ``defaults``: request
-    options the server sets for every request (``num_draft``, ``speculative``);
-    ``template_defaults``: chat template variables a request's ``chat_template_kwargs``
-    override (``serve --chat-template-args``)."""
-    defaults = defaults or {}
-    template_defaults = template_defaults or {}
+ENGINE_OPTIONS = ("num_draft", "speculative")     # set by the server, never by a request
+
+
+def create_app(engine: Engine, model_id, api_key: str | None = None,
+               defaults: dict | None = None) -> Starlette:
+    """The ASGI app; ``engine`` must be started (its pair loaded). ``model_id``: the id it
+    serves, or a list of the names it answers to (the id first). ``defaults``: the server's
+    ``num_draft`` and ``speculative`` for every request, and the defaults of fields a request
+    may leave out (``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
+    ``chat_template_kwargs``)."""
+    model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
+    model_id = model_ids[0]
+    defaults = dict(defaults or {})
+    fixed = {k: defaults.pop(k) for k in ENGINE_OPTIONS if k in defaults}
+    template_defaults = defaults.pop("chat_template_kwargs", None) or {}
     tokenizer = engine.pair.tokenizer
     limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
@@ -73,9 +81,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         authorize(request)
         body = parse_body(await request.body())
         check_fields(body, kind)
-        check_model(body, model_id)
+        check_model(body, model_ids)
         stream, include_usage = stream_flags(body)
-        options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None)
+        options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
+                                   defaults)
         use, budget = ToolUse(), None
         if kind == "chat":
             messages, use = chat_messages(body), tool_use(body)
@@ -113,7 +122,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             options["max_tokens"] = min(options["max_tokens"] or limit, limit - len(ids))
         options["max_tokens"] = options["max_tokens"] or UNLIMITED
         try:
-            return api.make_request(engine.pair, ids, **options, **defaults,
+            return api.make_request(engine.pair, ids, **options, **fixed,
                                     thinking_token_budget=budget)
         except RequestValueError as e:
             raise ApiError(str(e), e.param) from None
@@ -167,7 +176,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                     raise ApiError("missing or wrong API key (send 'x-api-key: KEY')",
                                    status=401)
             body = parse_body(await request.body())
-            check_model(body, model_id)
+            check_model(body, model_ids)
             m = anthropic_api.read(body)
             ids = await encode(m.messages, m.template, m.use)
             params = make_request(ids, m.options, m.budget, "messages")
@@ -209,8 +218,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     async def models(request: Request):
         authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark"}]})
+        return JSONResponse({"object": "list", "data": [model_object(model_id)]})
+
+    async def model(request: Request):
+        authorize(request)
+        name = request.path_params["name"]
+        if name not in model_ids:
+            raise ApiError(f"model '{name}' is not served here; this server serves "
+                           f"'{model_id}'", "model", "model_not_found", status=404)
+        return JSONResponse(model_object(model_id))
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, "waiting": engine.waiting,
@@ -236,6 +252,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/messages", messages, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -246,11 +263,28 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         ApiError: refused, HTTPException: http_error, Exception: crashed})
 
 
-def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None,
-          defaults: dict | None = None, template_defaults: dict | None = None):
-    """Run until Ctrl-C or SIGTERM: the generation in flight stops at its next token, every
-    open request ends with an error event, uvicorn closes the connections and the engine
-    thread ends."""
+def listen(host: str, port: int):
+    """The server's socket, bound before the model loads, so a busy port costs no loading
+    time; OSError when it cannot be had."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(engine: Engine, model_id, sock, api_key: str | None,
+          defaults: dict | None = None):
+    """Run on the bound ``sock`` (:func:`listen`) until Ctrl-C or SIGTERM: the generation in
+    flight stops at its next token, every open request ends with an error event, uvicorn
+    closes the connections and the engine thread ends."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -258,7 +292,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
             engine.cancel_all("the server is shutting down")
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, template_defaults),
-                            host=host, port=port,
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults), host=host, port=port,
                             log_level="info", timeout_graceful_shutdown=5)
-    Server(config).run()
+    Server(config).run(sockets=[sock])

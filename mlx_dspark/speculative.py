@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from . import sampling
 from .controller import Controller
-from .request import Request, RequestError
+from .request import NonFiniteLogits, Request, RequestError
 from .sampling import Noise, Sampler
 from .session import Session
 from .stats import Stats
@@ -53,8 +53,26 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
 
 
 def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int) -> mx.array:
-    """Choose the token at ``position`` from one row of target logits (lazy, shape [])."""
-    return sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
+    """Choose the token at ``position`` from one row of target logits (lazy, shape []); -1
+    when the logits are not finite (see :func:`finite`)."""
+    token = sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
+    return mx.where(mx.isfinite(logits).all(), token.astype(mx.int32), -1)
+
+
+def finite(token: int, session: Session) -> int:
+    """``token`` as read from the device, or the run ends here: -1 marks logits with an inf
+    or a NaN (an overflowing dtype, a corrupt weight), which would otherwise come out as
+    token 0 forever. The check rides in the one read each step already makes. The session's
+    state is garbage from here on, so it starts over."""
+    if token >= 0:
+        return token
+    dtype = str(getattr(session.target, "dtype", "its dtype")).rsplit(".", 1)[-1]
+    position = len(session.tokens)
+    session.reset()
+    raise NonFiniteLogits(f"the model's logits are not finite (inf or NaN) at position "
+                          f"{position}, computing in {dtype}: an activation overflowed or a "
+                          f"weight is corrupt; try another dtype (--dtype, dtype=) or check "
+                          f"the checkpoint (mlx-dspark verify DIR)")
 
 
 def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool):
@@ -165,11 +183,14 @@ def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
     control = controller(session, request)
     switches_before = control.switches
     noise = Noise(sampler, request.seed)
+    if not sampler.greedy:
+        stats.sampling, stats.seed = sampler.scheme, noise.seed
 
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
     stats.generated = 0
-    out = [pick(prefill(session, prompt, tap=tap)[None], sampler, noise, len(prompt)).item()]
+    out = [finite(pick(prefill(session, prompt, tap=tap)[None], sampler, noise,
+                       len(prompt)).item(), session)]
     stats.t_prefill = time.perf_counter() - t0
     # Serial steps are pipelined (as mlx-lm's generate_step): the next step is built on the
     # lazy token and queued before this one is read. ``ahead`` is that step (lazy token,
@@ -215,6 +236,9 @@ def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
                     ahead = (*serial_step(session, nxt, sampler, noise, tap), mark)
                     mx.async_eval(ahead[0])
                 nxt = nxt.item()
+                if nxt < 0:
+                    ahead = None          # the session starts over: nothing to undo
+                nxt = finite(nxt, session)
                 t_read = time.perf_counter()
                 if ahead is not None and nxt in stops:
                     session.cache.rewind(ahead[2])   # a stop token is emitted, never fed
@@ -249,6 +273,9 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     t0 = time.perf_counter()
     if caught_up > n + 1:
         control.observe_catchup(t0 - t_start, caught_up)
+    # A probe: "auto" measuring (no estimate yet, or decoding serially), not yet a decision.
+    probe = control.mode == "auto" and (not control.speculating
+                                        or control.predicted_speedup() is None)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])
@@ -256,7 +283,9 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     target_logits, taps = verify(session, bonus, drafts)
     a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
                     None if sampler.greedy else noise.next_key())
+    nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
     read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
+    finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
     out = _through_stop(out, stops)
@@ -264,6 +293,7 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
     commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
     _count_round(stats, control, n, a, (t_start, t0, t1, t2, t3, t4))
+    stats.probe_rounds += probe
     return out
 
 

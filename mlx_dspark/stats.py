@@ -32,6 +32,7 @@ class Stats(Mapping):
     reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
     generated: int = 0
     rounds: int = 0
+    probe_rounds: int = 0         # rounds "auto" ran to measure (in rounds), not to speculate
     serial_steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -48,6 +49,8 @@ class Stats(Mapping):
     peak_memory_gb: float | None = None     # MLX's allocator, 10^9 bytes (set at the end)
     peak_rss_gb: float | None = None        # the process's peak resident set (set at the end)
     generations: int = 1          # how many generations these counts sum (Stats.total)
+    sampling: str | None = None   # the scheme of a sampled run (None: greedy)
+    seed: int | None = None       # the seed a sampled run used, given or drawn
 
     def snapshot(self) -> "Stats":
         """A copy that later tokens do not change."""
@@ -102,7 +105,8 @@ class Stats(Mapping):
         finish reason and memory are the last run's."""
         out = runs[-1].snapshot()
         n = max(len(s.tested_by_position) for s in runs)
-        for name in ("prompt_tokens", "reused_tokens", "generated", "rounds", "serial_steps",
+        for name in ("prompt_tokens", "reused_tokens", "generated", "rounds", "probe_rounds",
+                     "serial_steps",
                      "drafted", "accepted", "switches", "generations", "t_prefill", "t_serial", "t_draft",
                      "t_verify", "t_rollback", "t_round"):
             setattr(out, name, sum(getattr(s, name) for s in runs))
@@ -122,6 +126,7 @@ class Stats(Mapping):
             "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated,
             "rounds": self.rounds,
+            "probe_rounds": self.probe_rounds,
             "serial_steps": self.serial_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -132,6 +137,8 @@ class Stats(Mapping):
             "mean_tokens_per_round": self.mean_tokens_per_round,
             "mode_switches": self.switches,
             "predicted_speedup": self.predicted_speedup,
+            "sampling": self.sampling,
+            "seed": self.seed,
             "time": {
                 "prefill": self.t_prefill,
                 "serial": self.t_serial,
@@ -169,19 +176,44 @@ def format_acceptance(stats: Stats) -> str:
     return format_positions(stats.acceptance_by_position)
 
 
+def format_mode(stats: Stats) -> str:
+    """The mode, and under "auto" why: the controller's predicted speedup (tokens per unit
+    of time, speculative over serial) against break-even, 1.00."""
+    line = f"{stats.mode} (requested {stats.requested}, {stats.switches} switches)"
+    p = stats.predicted_speedup
+    if stats.requested != "auto" or p is None:
+        return line
+    if stats.mode == "serial":
+        return (f"{line}: speculation predicted at {p:.2f}x serial speed, break-even 1.00, "
+                f"so serial")
+    return f"{line}: speculation predicted at {p:.2f}x serial speed, break-even 1.00"
+
+
+def format_rounds(stats: Stats) -> str:
+    rounds = f"{stats.rounds - stats.probe_rounds} speculative"
+    if stats.probe_rounds:
+        rounds += f" + {stats.probe_rounds} probe{'s' if stats.probe_rounds != 1 else ''}"
+    return f"{rounds}, {stats.serial_steps} serial"
+
+
 def format_stats(stats: Stats) -> list[str]:
     """The summary of ``generate --stats`` and ``chat``'s /stats: one ``name: value`` line
-    each."""
+    each. When every round was a probe, the acceptance is labelled as the probes'."""
+    of = ""
+    if stats.rounds and stats.probe_rounds == stats.rounds:
+        of = f" (probe round{'s' if stats.rounds != 1 else ''} only)"
     lines = [
-        f"mode: {stats.mode} (requested {stats.requested}, {stats.switches} switches)",
+        f"mode: {format_mode(stats)}",
         f"prompt: {stats.prompt_tokens} tokens, {stats.prefilled_tokens} prefilled, "
         f"{stats.prompt_tokens_per_s:.1f} tokens/s",
         f"generation: {stats.generated} tokens, {stats.tokens_per_s:.1f} tokens/s",
-        f"rounds: {stats.rounds} speculative, {stats.serial_steps} serial",
-        f"mean accepted per round: {stats.mean_accepted_per_round:.2f}",
-        f"acceptance by position: {format_acceptance(stats)}",
+        f"rounds: {format_rounds(stats)}",
+        f"mean accepted per round: {stats.mean_accepted_per_round:.2f}{of}",
+        f"acceptance by position: {format_acceptance(stats)}{of}",
         f"finish: {stats.finish_reason}",
     ]
+    if stats.sampling is not None:
+        lines.insert(1, f"sampling: {stats.sampling}, seed {stats.seed}")
     if stats.peak_memory_gb is not None:
         lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB (MLX), process peak RSS "
                      f"{stats.peak_rss_gb:.3f} GB")

@@ -528,6 +528,23 @@ class NemotronH(nn.Module):
 # ------------------------------------------------------------------------------- loading
 
 
+_DTYPE_NAMES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32,
+                "bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
+
+
+def compute_dtype(dtype) -> mx.Dtype:
+    """A compute dtype from what callers pass: None (:func:`default_dtype`), an MLX float
+    dtype, or its name (``"bfloat16"``, the CLI's spelling; ``"bf16"``, ...)."""
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype in (mx.bfloat16, mx.float16, mx.float32):
+        return dtype
+    raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32' (or mx.bfloat16, ...), "
+                     f"not {dtype!r}")
+
+
 def default_dtype():
     """bf16 on a GPU (any MLX GPU backend). float32 on MLX's CPU backend, where it is the
     faster choice (measured, docs/history/measurements.md): the CPU nvfp4 kernels and ``gather_qmm``
@@ -557,15 +574,9 @@ def _stack_experts(w: dict, n_layers: int) -> dict:
     return w
 
 
-def load_target(path: str, dtype=None, nvfp4: str | None = None,
-                verify: str = "auto") -> NemotronH:
-    """Load a converted (or plain HF-format) Nemotron-H directory.
-
-    ``dtype``: compute dtype, default :func:`default_dtype`. ``nvfp4``: ``"quantized"`` or
-    ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed
-    experts always stay packed (quant.make_experts). ``verify``: how much of the files is
-    checked against the conversion receipt first (integrity.py); a converted directory
-    without a receipt needs ``verify="none"``."""
+def read_target_config(path) -> dict:
+    """``path/config.json``, refused in one line when it is not a Nemotron-H target: a DSpark
+    drafter (it goes to ``--drafter``), or another architecture."""
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -574,6 +585,32 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
         raise FileNotFoundError(f"{cfg_path}: missing") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: not a JSON object")
+    archs = raw.get("architectures") or []
+    kind = raw.get("model_type")
+    if "dflash_config" in raw or any("DSpark" in str(a) for a in archs):
+        raise ValueError(f"{path}: a DSpark drafter, not a target model; pass it as --drafter "
+                         f"(drafter= in md.load) next to its Nemotron-H --model")
+    if kind not in (None, "nemotron_h") and "hybrid_override_pattern" not in raw:
+        what = f"model_type {kind!r}" + (f" ({', '.join(map(str, archs))})" if archs else "")
+        raise ValueError(f"{path}: {what}: mlx-dspark runs Nemotron-H targets only "
+                         f"(model_type 'nemotron_h'); other models run with mlx-lm")
+    return raw
+
+
+def load_target(path: str, dtype=None, nvfp4: str | None = None,
+                verify: str = "auto") -> NemotronH:
+    """Load a converted (or plain HF-format) Nemotron-H directory.
+
+    ``dtype``: compute dtype or its name, default :func:`default_dtype`. ``nvfp4``: ``"quantized"``
+    or ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed experts
+    always stay packed (quant.make_experts). ``verify``: how much of the files is checked
+    against the conversion receipt first (integrity.py); a converted directory without a receipt
+    needs ``verify="none"``."""
+    dtype = compute_dtype(dtype)
+    raw = read_target_config(path)
+    cfg_path = os.path.join(path, "config.json")
     if "quantization" not in raw and ("quantization_config" in raw or
                                       os.path.exists(os.path.join(path, "hf_quant_config.json"))):
         # ModelOpt's own layout (U8 nibbles, F8 block scales) is not ours: refuse rather than
@@ -585,7 +622,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
     w = _stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
-        model = NemotronH(cfg, w, dtype or default_dtype(), nvfp4)
+        model = NemotronH(cfg, w, dtype, nvfp4)
     except KeyError as e:
         raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
     del w

@@ -51,6 +51,8 @@ def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = Non
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
         prompt = prompt.tolist()         # an mx.array or NumPy array of ids, as mlx-lm takes
         prompt = prompt if isinstance(prompt, list) else [prompt]
+        if len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]           # a batch of one, [1, T]
     if not prompt:
         raise RequestError("prompt", "empty prompt: give some text or at least one token id")
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -66,15 +68,17 @@ def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = Non
     return encode_chat(tokenizer, messages, options or {})[0]
 
 
-def template_options(tokenizer, reasoning: str | None) -> dict:
-    """Chat template variables for ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
+def template_options(tokenizer, reasoning: str | None, given: dict | None = None) -> dict:
+    """Chat template variables: ``given`` (``--chat-template-args``) and, over them,
+    ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
+    options = dict(given or {})
     if reasoning is None:
-        return {}
+        return options
     if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
         print("note: this model's chat template has no reasoning switch; --reasoning is ignored",
               file=sys.stderr)
-        return {}
-    return {"enable_thinking": reasoning == "on"}
+        return options
+    return {**options, "enable_thinking": reasoning == "on"}
 
 
 def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[int], str]:

@@ -89,7 +89,7 @@ def main(argv=None):
 
     from .. import api
     from ..engine import Engine
-    from ..server import serve
+    from ..server import listen, serve
     from ..tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(prog="mlx_dspark.testing.scripted")
@@ -108,7 +108,7 @@ def main(argv=None):
     engine = Engine(load, max_queue=4, cache_bytes=0, use_drafter=False)
     engine.start()
     try:
-        serve(engine, "scripted", "127.0.0.1", args.port, args.api_key)
+        serve(engine, "scripted", listen("127.0.0.1", args.port), args.api_key)
     finally:
         engine.stop()
 

@@ -1,0 +1,7 @@
+"""``python -m mlx_dspark``: the ``mlx-dspark`` command (cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""``mlx-dspark serve`` as an mlx-lm user expects it (issue 25, item 5): request defaults from
+the flags or the model's generation_config.json, the model named by any of the names it was
+started with, ``GET /v1/models/{id}``, a busy port refused before the model loads, a start
+banner, and a warning when it listens beyond this machine without a key. In-process (starlette's
+test client on a real engine) where no process is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlx_dspark import api, cli
+from mlx_dspark.commands import model_names, serve_defaults
+from mlx_dspark.engine import Engine
+from mlx_dspark.server import create_app
+from mlx_dspark.testing.server import launch
+
+DEMO = Path(api.__file__).parent / "demo"
+PROMPT = "def fibonacci(n):\n"
+
+
+def args_of(*argv):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return api.load()
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    engine = Engine(lambda: pair, max_queue=4, cache_bytes=0)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def test_defaults_come_from_the_flags_else_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 300}))
+    assert serve_defaults(args_of(), tmp_path) == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
+    assert serve_defaults(args_of("--temp", "0", "--top-k", "0", "-m", "9",
+                                  "--chat-template-args", '{"enable_thinking": false}'),
+                          tmp_path) == {"temperature": 0.0, "top_p": 0.95, "top_k": 0,
+                                        "max_tokens": 9,
+                                        "chat_template_kwargs": {"enable_thinking": False}}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert serve_defaults(args_of(), tmp_path) == {"temperature": 0.0}
+    assert serve_defaults(args_of(), DEMO / "target") == {}       # none given: OpenAI's
+
+
+def test_a_default_outside_its_meaning_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(cli.CommandError, match=r"^--top-p must be in \[0, 1\]"):
+        serve_defaults(args_of("--top-p", "7"), None)
+
+
+def test_the_model_answers_to_the_name_path_and_repo_id_it_was_started_with(tmp_path):
+    assert model_names(args_of(), None) == ["mlx-dspark-demo"]
+    names = model_names(args_of("--model", "nvidia/Some-Model-NVFP4"), tmp_path / "cache")
+    assert names[:2] == ["Some-Model-NVFP4", "nvidia/Some-Model-NVFP4"]
+    assert str(tmp_path / "cache") in names
+
+
+def test_models_by_id_and_defaults_applied(engine, pair):
+    names = ["lightning", "~/models/lightning", "/abs/models/lightning"]
+    client = TestClient(create_app(engine, names, defaults={
+        "temperature": 0.0, "max_tokens": 7, "num_draft": 3, "speculative": "auto"}))
+    for name in names:
+        r = client.get(f"/v1/models/{name}")
+        assert r.status_code == 200 and r.json()["id"] == "lightning"
+    r = client.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # greedy by the server's default, 7 tokens by its default, model named by its path
+    body = {"model": "/abs/models/lightning", "prompt": PROMPT}
+    got = client.post("/v1/completions", json=body).json()
+    want = api.generate(pair, PROMPT, max_tokens=7, temperature=0.0)
+    assert got["choices"][0]["text"] == want.text
+    assert got["usage"]["completion_tokens"] == 7
+    # a field the request sets wins over the default
+    got = client.post("/v1/completions", json={**body, "max_tokens": 3}).json()
+    assert got["usage"]["completion_tokens"] == 3
+
+
+def test_server_chat_template_args_reach_the_template(engine, pair, template_calls):
+    seen = template_calls(pair.tokenizer)
+    client = TestClient(create_app(engine, "m", defaults={
+        "chat_template_kwargs": {"enable_thinking": False, "a": 1}}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"a": 2}}).status_code == 200
+    assert seen[-1]["enable_thinking"] is False and seen[-1]["a"] == 2   # the request wins
+
+
+def _serve(*argv, timeout=60):
+    return subprocess.run([sys.executable, "-m", "mlx_dspark", "serve", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        # a model that does not exist: the port is refused first, so nothing was loaded
+        out = _serve("--port", str(port), "--model", str(tmp_path / "nothing"))
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (f"mlx-dspark serve: error: cannot listen on 127.0.0.1:{port}: "
+                          f"Address already in use (another server there? pick another "
+                          f"--port)\n")
+
+
+@pytest.mark.slow
+def test_listening_beyond_this_machine_without_a_key_warns():
+    out = _serve("--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent/model")
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert lines[0] == ("mlx-dspark serve: warning: listening on 0.0.0.0 without --api-key: "
+                        "anyone who can reach this machine can use the model")
+    assert lines[1].startswith("mlx-dspark serve: error: /nonexistent/model: no such model")
+
+
+@pytest.mark.slow
+def test_the_start_banner_says_what_where_and_with_what_memory():
+    proc, url = launch(["--temp", "0.3"], stderr=subprocess.PIPE,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.terminate()
+    proc.wait(15)
+    first = proc.stderr.read().decode().splitlines()[0]
+    port = url.rsplit(":", 1)[1]
+    assert first.startswith(f"mlx-dspark serve: mlx-dspark-demo ({DEMO / 'target'}) with its "
+                            f"DSpark drafter, float32, ")
+    assert first.endswith(f"GB in memory, on http://127.0.0.1:{port}/v1 (request defaults: "
+                          f"temperature 0.3)")
