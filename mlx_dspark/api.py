@@ -36,6 +36,11 @@ class Pair:
     # call starts from it instead of paying the warm-up round again.
     controller: object = field(default=None, repr=False)
     path: Path | None = None      # the target's directory (md.load sets it)
+    # The target's and drafter's conversion-receipt hashes (None without a receipt): what
+    # snapshots on disk are keyed to.
+    receipts: tuple = (None, None)
+    # Snapshots calls without a session continue from (prompt_cache.PromptCache), or None.
+    prompt_cache: object = field(default=None, repr=False)
 
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
@@ -113,7 +118,9 @@ class Result:
 
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
-         memory_check: bool = True, warm: bool = True) -> Pair:
+         memory_check: bool = True, warm: bool = True,
+         prompt_cache_dir=None, prompt_cache_disk_gb: float = 10.0,
+         prompt_cache_mb: int = 1024) -> Pair:
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
@@ -129,10 +136,17 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     receipt (docs/integrity.md). ``memory_check``: first estimate what the pair needs and raise
     memory.InsufficientMemory (a ValueError) when the device cannot give it
     (docs/history/real-size.md). ``warm``: run :func:`warm_up` before returning, so that the
-    first generation is timed (and "auto" decides) on warm kernels."""
+    first generation is timed (and "auto" decides) on warm kernels.
+
+    ``prompt_cache_dir``: calls without a ``session`` continue from snapshots of earlier
+    prompts (message ends, every few thousand tokens, ends of prompts and answers), kept in
+    memory (``prompt_cache_mb``) and in this directory (``prompt_cache_disk_gb``, least
+    recently used first out), so a long shared prefix is prefilled once, across restarts
+    (docs/prompt-cache.md)."""
     from . import model_cache
     from .drafter import load_drafter
     from .memory import check_fits
+    from .prompt_store import receipt_hash
     from .target import compute_dtype, load_target, read_target_config
 
     if model is None:
@@ -153,7 +167,14 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
-                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model))
+                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
+                receipts=(receipt_hash(model), receipt_hash(drafter)))
+    if prompt_cache_dir is not None:
+        from .prompt_cache import PromptCache
+        from .prompt_store import open_store
+        store = open_store(prompt_cache_dir, pair, pair.drafter is not None,
+                           int(prompt_cache_disk_gb * 1e9))
+        pair.prompt_cache = PromptCache(prompt_cache_mb << 20, store)
     if warm:
         warm_up(pair)
     return pair
@@ -289,19 +310,56 @@ def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chu
         request = prompt
     else:
         request = make_request(pair, prompt, max_tokens, **options)
-    return stream(pair, request, session)
+    boundaries = ()
+    if session is None and pair.prompt_cache is not None and isinstance(prompt, list) \
+            and prompt and all(isinstance(m, dict) for m in prompt):
+        from .tokenizer import message_boundaries
+        boundaries = message_boundaries(pair.tokenizer, prompt,
+                                        options.get("chat_template_kwargs") or {},
+                                        list(request.prompt))
+    return stream(pair, request, session, boundaries)
 
 
-def stream(pair: Pair, request: Request, session: Session | None = None) -> Iterator[Chunk]:
+def stream(pair: Pair, request: Request, session: Session | None = None,
+           boundaries=()) -> Iterator[Chunk]:
     """The chunks of ``request`` decoded on ``session`` (None: a session of its own, without
-    the drafter when the request never speculates)."""
+    the drafter when the request never speculates, or continued from the pair's prompt cache
+    when it has one; ``boundaries``: where the prompt's chat messages end, checkpoints)."""
     from .speculative import decode
 
+    if session is None and pair.prompt_cache is not None:
+        return _cached(pair, request, boundaries)
     if session is None:
         session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
                           home=pair)
     stats = Stats()
     return _chunks(pair, request, decode(session, request, stats), stats)
+
+
+def _cached(pair: Pair, request: Request, boundaries) -> Iterator[Chunk]:
+    """``stream`` on a session continued from the pair's prompt cache; the states after the
+    prompt and after the answer are remembered for later calls."""
+    cache = pair.prompt_cache
+    session = Session(pair.target, pair.drafter, home=pair)   # one kind of snapshot
+    cache.start(session, request.prompt, boundaries)
+    try:
+        chunks = stream(pair, request, session)
+    except BaseException:
+        cache.finish(session)
+        raise
+    return _remembering(cache, session, chunks)
+
+
+def _remembering(cache, session: Session, chunks) -> Iterator[Chunk]:
+    try:
+        for i, chunk in enumerate(chunks):
+            if i == 0:
+                cache.remember(session)
+            yield chunk
+    finally:
+        chunks.close()
+        cache.finish(session)
+    cache.remember(session)
 
 
 def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:

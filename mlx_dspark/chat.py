@@ -8,7 +8,11 @@ way). A template that rewrites past answers (some drop past reasoning) would wan
 history tokens; the model sees its own tokens instead, as it did when it wrote them.
 
 Ctrl-C during an answer stops it at the next token and keeps the conversation: the SIGINT
-handler only sets a flag, so no model call is torn in half."""
+handler only sets a flag, so no model call is torn in half.
+
+``/save NAME`` writes the conversation and the session's state to the prompt cache directory
+(``named/NAME``); ``/load NAME`` and ``--resume NAME`` bring both back after a restart, so
+the next turn prefills only its own tokens (docs/prompt-cache.md)."""
 
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ from . import api
 from .cli_support import CatchInterrupt, CommandError, flag_error, request_options, utf8_text
 from .request import SEEDS
 from .stats import Stats, format_line, format_stats
-from .tokenizer import _encode, prompt_ids, template_options
+from .tokenizer import _encode, message_boundaries, prompt_ids, template_options
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
   /reset   forget the conversation (the next prompt is prefilled from scratch)
   /stats   statistics of the conversation so far
   /think on|off   let the model think before it answers, or not (templates with the switch)
+  /save NAME  keep the conversation and its state on disk (--prompt-cache-dir)
+  /load NAME  continue a saved conversation (so does --resume NAME)
   /help    this list
   /quit    leave (so do Ctrl-D and /exit)
 Ctrl-C stops the current answer and keeps the conversation."""
@@ -79,6 +85,39 @@ class Chat:
                                                           args.chat_template_args),
                                          args.system_prompt)
         self.turns: list[Stats] = []   # final stats of each answer since the last /reset
+        self._store = None
+
+    def store(self):
+        """The prompt cache directory's store (--prompt-cache-dir, else the default)."""
+        if self._store is None:
+            if self.pair.prompt_cache is not None:
+                self._store = self.pair.prompt_cache.store
+            else:
+                from .prompt_store import open_store
+                self._store = open_store(self.args.prompt_cache_dir or default_prompt_dir(),
+                                         self.pair, self.pair.drafter is not None,
+                                         int(self.args.prompt_cache_disk_gb * 1e9))
+        return self._store
+
+    def save(self, name: str):
+        snap = self.session.snapshot()
+        path = self.store().save_named(name, snap, {"messages": self.conversation.messages,
+                                                    "ids": self.conversation.ids})
+        print(f"(saved {len(snap.tokens)} tokens of state to {path})")
+
+    def load(self, name: str):
+        """Continue the conversation saved as ``name``."""
+        snap, extra = self.store().load_named(name)
+        messages, ids = extra.get("messages"), extra.get("ids")
+        if not isinstance(messages, list) or not isinstance(ids, list) \
+                or list(snap.tokens) != ids[:len(snap.tokens)]:
+            from .prompt_store import SnapshotError
+            raise SnapshotError(f"{name!r}: its conversation does not match its state")
+        self.session.restore(snap)
+        self.conversation.messages, self.conversation.ids = messages, ids
+        self.turns = []
+        print(f"(continuing {name!r}: {len(messages)} messages, {len(ids)} tokens, none "
+              f"prefilled again)")
 
     def run(self) -> int:
         try:
@@ -91,6 +130,12 @@ class Chat:
               f"/help lists the commands, Ctrl-D exits.")
         if hasattr(sys.stdin, "reconfigure"):    # bytes that are not UTF-8 reach utf8_text
             sys.stdin.reconfigure(errors="surrogateescape")
+        if self.args.resume is not None:
+            from .prompt_store import SnapshotError
+            try:
+                self.load(self.args.resume)
+            except (SnapshotError, OSError) as e:
+                raise CommandError(f"--resume {self.args.resume}: {e}") from None
         while True:
             try:
                 line = input(">>> ").strip()
@@ -130,6 +175,16 @@ class Chat:
             self.think(line.split()[1:])
         elif name in ("/help", "/?"):
             print(HELP)
+        elif name in ("/save", "/load"):
+            from .prompt_store import SnapshotError
+            arg = line.split(maxsplit=1)[1:]
+            if not arg:
+                print(f"usage: {name} NAME")
+                return True
+            try:
+                self.save(arg[0]) if name == "/save" else self.load(arg[0])
+            except (SnapshotError, OSError) as e:
+                print(f"error: {e}")
         else:
             print(f"unknown command {name}; /help lists the commands")
         return True
@@ -160,6 +215,21 @@ class Chat:
 
     def answer(self, user: str):
         ids = self.conversation.prompt(user)
+        cache = self.pair.prompt_cache
+        if cache is not None and not self.session.tokens:
+            # a first turn: continue from a system prompt cached before (cache-prompt, an
+            # earlier chat) and checkpoint its end for the next time
+            messages = self.conversation.messages + [{"role": "user", "content": user}]
+            cache.start(self.session, ids, message_boundaries(
+                self.pair.tokenizer, messages, self.conversation.options, ids))
+        try:
+            self._answer(user, ids)
+        finally:
+            if cache is not None:
+                cache.finish(self.session)
+                cache.remember(self.session)
+
+    def _answer(self, user: str, ids: list[int]):
         options = request_options(self.args)
         if self.args.seed is not None:     # a different, reproducible draw every turn
             options["seed"] = (self.args.seed + len(self.turns)) % SEEDS
@@ -207,6 +277,12 @@ class Chat:
             f"turns: {len(self.turns)}, context: {len(self.session.tokens)} tokens held by the "
             f"session", *format_stats(Stats.total(self.turns)),
             f"last answer: {format_line(self.turns[-1])}"])
+
+
+def default_prompt_dir():
+    """Where saved conversations go without --prompt-cache-dir."""
+    from .model_cache import cache_root
+    return cache_root() / "prompts"
 
 
 def _read_block(first: str) -> str:

@@ -81,6 +81,8 @@ COMMANDS: list[Command] = [
     Command("verify", "check every byte of a converted directory against its conversion receipt",
             _verify_arguments, _verify),
     Command("serve", commands.SERVE_HELP, commands.serve_arguments, commands.run_serve),
+    Command("cache-prompt", commands.CACHE_PROMPT_HELP, commands.cache_prompt_arguments,
+            commands.run_cache_prompt),
 ]
 
 

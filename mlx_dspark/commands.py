@@ -117,6 +117,10 @@ def chat_arguments(p: argparse.ArgumentParser) -> None:
     add_system_prompt_argument(p)
     p.add_argument("--hide-thinking", action="store_true",
                    help="do not show the model's thinking, only its answers")
+    add_prompt_cache_arguments(p)
+    p.add_argument("--resume", metavar="NAME",
+                   help="continue the conversation saved with /save NAME (or cache-prompt -o "
+                        "NAME) without prefilling it again")
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -126,7 +130,80 @@ def run_chat(args: argparse.Namespace) -> int:
     from .chat import Chat
 
     require_chat_template(pair, args)
+    with_prompt_cache(pair, args)
     return Chat(pair, args).run()
+
+
+def with_prompt_cache(pair, args: argparse.Namespace):
+    """Give the pair the prompt cache of --prompt-cache-dir (in memory and on disk)."""
+    if args.prompt_cache_dir is not None:
+        from .prompt_cache import PromptCache
+        pair.prompt_cache = PromptCache(1 << 30, prompt_store_factory(args)(pair, pair))
+
+
+# ---------------------------------------------------------------------------------------------
+# cache-prompt
+
+
+CACHE_PROMPT_HELP = "prefill a long shared prefix (a system prompt, a document) once, to disk"
+
+
+def cache_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("-p", "--prompt", required=True, metavar="FILE|TEXT",
+                   help="the prefix: a file's text, or the text itself; with a chat template "
+                        "it becomes the system message")
+    p.add_argument("-o", "--output", required=True, metavar="NAME",
+                   help="save it as NAME (chat --resume NAME continues from it)")
+    add_prompt_cache_arguments(p)
+
+
+def run_cache_prompt(args: argparse.Namespace) -> int:
+    import time
+
+    text = args.prompt
+    if os.path.isfile(text):
+        try:
+            with open(text, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CommandError(f"{args.prompt}: cannot read it as UTF-8 text ({e})") from None
+    utf8_text(text, "--prompt")
+    if not text:
+        raise CommandError("--prompt: empty text")
+    pair = load_pair(args)
+    from .chat import default_prompt_dir
+    from .prompt_store import SnapshotError, open_store
+    from .speculative import prefill
+    from .tokenizer import _encode
+
+    tok = pair.tokenizer
+    if getattr(tok, "has_chat_template", False):
+        messages = [{"role": "system", "content": text}]
+        ids = _encode(tok, tok.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=False))
+    else:
+        messages, ids = [], list(tok.encode(text))
+    try:
+        store = open_store(args.prompt_cache_dir or default_prompt_dir(), pair,
+                           pair.drafter is not None, int(args.prompt_cache_disk_gb * 1e9))
+        path = store.named_path(args.output)
+    except (SnapshotError, OSError) as e:
+        raise CommandError(f"prompt cache: {e}") from None
+    session = pair.session()
+    t0 = time.perf_counter()
+    prefill(session, ids, tap=pair.drafter is not None)
+    snap = session.snapshot()
+    t1 = time.perf_counter()
+    try:
+        store.save_named(args.output, snap, {"messages": messages, "ids": ids})
+        store.add(snap)         # also an ordinary snapshot: serve and chat find it by its tokens
+    except OSError as e:
+        raise CommandError(f"{path}: cannot write ({e.strerror or e})") from None
+    print(f"saved {len(ids)} tokens ({snap.nbytes / 1e6:.1f} MB of state, prefilled in "
+          f"{t1 - t0:.2f} s, written in {time.perf_counter() - t1:.2f} s) as {args.output!r} "
+          f"in {path}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +261,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=_at_least(0), default=1024, metavar="MB",
                    help="memory for state snapshots a request can continue from (a chat's "
                         "earlier turns); 0 turns prefix reuse off (default 1024)")
+    add_prompt_cache_arguments(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=MODES, default="auto",
@@ -248,6 +326,41 @@ def model_names(args: argparse.Namespace, model_dir) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def add_prompt_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="also keep state snapshots on disk in DIR, across restarts "
+                        "(docs/prompt-cache.md)")
+    p.add_argument("--prompt-cache-disk-gb", type=_gigabytes, default=10, metavar="GB",
+                   help="disk for the snapshots in --prompt-cache-dir, least recently used "
+                        "out first (default 10)")
+
+
+def _gigabytes(s: str) -> float:
+    gb = float(s)
+    if not 0 <= gb < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a size in GB, 0 or more, not {s}")
+    return gb
+
+
+_gigabytes.__name__ = "size"
+
+
+def prompt_store_factory(args: argparse.Namespace):
+    """What Engine(store=...) calls once the pair is loaded: the store of --prompt-cache-dir,
+    or None."""
+    if args.prompt_cache_dir is None:
+        return None
+
+    def make(pair, session):
+        from .prompt_store import SnapshotError, open_store
+        try:
+            return open_store(args.prompt_cache_dir, pair, session.drafter is not None,
+                              int(args.prompt_cache_disk_gb * 1e9))
+        except (SnapshotError, OSError) as e:
+            raise CommandError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}") from None
+    return make
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .server import listen, serve
@@ -262,7 +375,7 @@ def run_serve(args: argparse.Namespace) -> int:
               f"{e.strerror or e} (another server there? pick another --port)", file=sys.stderr)
         return 1
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
-                    use_drafter=args.speculative != "off")
+                    use_drafter=args.speculative != "off", store=prompt_store_factory(args))
     code = 0
     try:
         engine.start()      # loads the pair on the engine's thread; CommandError comes here

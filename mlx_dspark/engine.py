@@ -4,9 +4,11 @@ one generation at a time, first come first served.
 A pair's session holds one target cache and one drafter cache, and MLX runs one stream of
 work; serving requests in turn keeps each generation exactly what ``generate()`` gives
 (batching several sequences into one forward is a later step). Every MLX call happens on this
-thread, loading included, so no lazy array crosses threads. Between requests the engine keeps
-session snapshots in a :class:`PrefixCache`, so a chat whose next turn resends the
-conversation prefills only the new tokens."""
+thread, loading included, so no lazy array crosses threads. The engine keeps session
+snapshots in a :class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``):
+taken at message ends and every few thousand tokens while prefilling and at the end of each
+prompt and answer, so a request that resends a conversation, or the same system prompt
+before another one, prefills only what is new."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import api, logprobs
 from .openai_api import ApiError
-from .prefix_cache import PrefixCache
+from .prompt_cache import PromptCache
 from .request import NonFiniteLogits, Request
 from .session import Session
 
@@ -32,6 +34,8 @@ class Job:
     request: Request
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None     # score the reply's tokens, with this many alternatives
+    boundaries: tuple = ()      # where the prompt's chat messages end (checkpoints)
+    space: str = ""             # whose snapshots it may use (API key and cache_salt, hashed)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -46,13 +50,17 @@ class Engine:
     """The thread that owns the pair and serves jobs one at a time, in arrival order.
 
     ``load()`` runs on the thread and returns the pair; ``max_queue`` jobs may wait while one
-    runs (more are refused); ``cache_bytes`` bounds the prefix cache (0: no reuse, every
-    request is prefilled from scratch); ``use_drafter`` False (a server that never
+    runs (more are refused); ``cache_bytes`` bounds the snapshots kept in memory (0 and no
+    ``store``: no reuse, every request is prefilled from scratch); ``store(pair, session)``,
+    called on the thread once the pair is loaded, returns the on-disk store
+    (prompt_store.PromptStore) or None; ``use_drafter`` False (a server that never
     speculates) keeps the drafter out of the session, so no taps are collected."""
 
-    def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True):
+    def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
+                 store=None):
         self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
-        self.cache = PrefixCache(cache_bytes) if cache_bytes > 0 else None
+        self._cache_bytes, self._store = cache_bytes, store
+        self.cache: PromptCache | None = None
         self.pair = None
         self._jobs: queue.Queue = queue.Queue()
         self._active = 0            # jobs submitted and not finished (waiting or running)
@@ -113,6 +121,9 @@ class Engine:
             self.session = Session(self.pair.target,
                                    self.pair.drafter if self.use_drafter else None,
                                    home=self.pair)
+            store = self._store(self.pair, self.session) if self._store else None
+            if self._cache_bytes > 0 or store is not None:
+                self.cache = PromptCache(self._cache_bytes, store)
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
             return
@@ -135,10 +146,9 @@ class Engine:
                     self._active -= 1
 
     def _run(self, job: Job):
-        session = self.session
-        snap = self.cache.find(job.request.prompt) if self.cache is not None else None
-        if snap is not None:
-            session.restore(snap)
+        session, cache = self.session, self.cache
+        if cache is not None:
+            cache.start(session, job.request.prompt, job.boundaries, job.space)
         else:
             session.reset()
         stream = api.stream(self.pair, job.request, session)
@@ -152,7 +162,7 @@ class Engine:
                                                         job.logprobs))
                 job.emit("chunk", chunk)
                 if i == 0:
-                    self._remember()          # the prompt's state, before any answer token
+                    self._remember(job)       # the prompt's state, before any answer token
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1
                     break
@@ -160,8 +170,10 @@ class Engine:
                 self.served += 1
         finally:
             stream.close()
-        self._remember()                      # prompt and answer: the next turn's prefix
+            if cache is not None:
+                cache.finish(session)
+        self._remember(job)                   # prompt and answer: the next turn's prefix
 
-    def _remember(self):
-        if self.cache is not None and not self.cache.touch(self.session.tokens):
-            self.cache.add(self.session.snapshot())
+    def _remember(self, job: Job):
+        if self.cache is not None:
+            self.cache.remember(self.session, job.space)

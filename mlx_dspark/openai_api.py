@@ -29,8 +29,8 @@ FIELDS = {
     "chat": SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                "reasoning_effort", "thinking_token_budget", "tools",
                                "tool_choice", "parallel_tool_calls", "logprobs",
-                               "top_logprobs"},
-    "completion": SAMPLING_FIELDS | {"prompt", "logprobs"},
+                               "top_logprobs", "cache_salt"},
+    "completion": SAMPLING_FIELDS | {"prompt", "logprobs", "cache_salt"},
 }
 # Fields another part of the engine will honour; refused until then.
 NOT_YET = {"response_format"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 
 from starlette.applications import Starlette
@@ -32,7 +33,7 @@ from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUs
                          error_response, logprobs_request, parse_body, sampling_options,
                          stream_flags, thinking_options, tool_use, _get, model_object)
 from .request import RequestError as RequestValueError
-from .tokenizer import chat_ids, prompt_ids
+from .tokenizer import chat_ids, message_boundaries, prompt_ids
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 
@@ -85,17 +86,22 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         stream, include_usage = stream_flags(body)
         options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
                                    defaults)
-        use, budget = ToolUse(), None
+        use, budget, boundaries = ToolUse(), None, ()
         if kind == "chat":
             messages, use = chat_messages(body), tool_use(body)
             template, budget = thinking_options(body, template_defaults)
             ids = await encode(messages, template, use)
+            if engine.cache is not None:      # checkpoints where the messages end
+                options_t = {**template, "tools": use.tools} if use.tools else template
+                boundaries = tuple(await run_in_threadpool(
+                    message_boundaries, tokenizer, messages, options_t, ids))
         else:
             prompt = completion_prompt(body, vocab)
             ids = prompt if isinstance(prompt, list) else await encode(prompt)
-        return Params(make_request(ids, options, budget, "messages" if kind == "chat"
-                                   else "prompt"), stream, include_usage, use,
-                      logprobs_request(body, kind))
+        params = Params(make_request(ids, options, budget, "messages" if kind == "chat"
+                                     else "prompt"), stream, include_usage, use,
+                        logprobs_request(body, kind))
+        return params, boundaries, cache_space(request, body)
 
     async def encode(prompt, template=None, use: ToolUse | None = None) -> list[int]:
         """Token ids of a completion prompt, or of chat messages through the template (with
@@ -128,8 +134,9 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             raise ApiError(str(e), e.param) from None
 
     async def complete(request: Request, kind: str):
-        params = await read(request, kind)
-        job = Job(params.request, asyncio.get_running_loop(), params.logprobs)
+        params, boundaries, space = await read(request, kind)
+        job = Job(params.request, asyncio.get_running_loop(), params.logprobs,
+                  boundaries=boundaries, space=space)
         engine.submit(job)
         reply = Reply(kind, model_id, params.tools.functions, params.tools.prefill)
         if not params.stream:
@@ -181,7 +188,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             ids = await encode(m.messages, m.template, m.use)
             params = make_request(ids, m.options, m.budget, "messages")
             stream = bool(_get(body, "stream", (bool,)))
-            job = Job(params, asyncio.get_running_loop())
+            job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}))
             engine.submit(job)
         except ApiError as e:
             return anthropic_api.error_response(e)
@@ -231,9 +238,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, "waiting": engine.waiting,
                              "served": engine.served, "cancelled": engine.cancelled,
-                             "prefix_cache": None if engine.cache is None else
-                             {"snapshots": len(engine.cache), "bytes": engine.cache.nbytes,
-                              "budget_bytes": engine.cache.budget}})
+                             "prompt_cache": None if engine.cache is None else
+                             engine.cache.health()})
 
     async def refused(request: Request, e: ApiError):
         return error_response(e)
@@ -261,6 +267,20 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: refused, HTTPException: http_error, Exception: crashed})
+
+
+def cache_space(request: Request, body: dict) -> str:
+    """Whose snapshots a request may continue from: those of requests with the same API key
+    and the same ``cache_salt`` (vLLM's field), so a cached prefix is never shared across
+    users (and ``cached_tokens`` tells nobody about another user's prompt)."""
+    salt = _get(body, "cache_salt", (str,))
+    if salt is not None and not salt:
+        raise ApiError("'cache_salt' must be a non-empty string", "cache_salt")
+    key = request.headers.get("x-api-key") or \
+        request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not key and salt is None:
+        return ""
+    return hashlib.sha256(f"{key}\0{salt or ''}".encode()).hexdigest()
 
 
 def listen(host: str, port: int):

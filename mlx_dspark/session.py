@@ -8,8 +8,8 @@ give alone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
@@ -92,6 +92,10 @@ class Session:
         self.target = target
         self.drafter = drafter
         self.home = home if home is not None else ControllerHome()
+        # Where prefill stops to take a snapshot (absolute positions) and what receives it:
+        # a prompt cache sets both before a request (prompt_cache.py); reset keeps them.
+        self.checkpoints: tuple[int, ...] = ()
+        self.on_checkpoint: Callable[["Session"], None] | None = None
         self.reset()
 
     @property
@@ -128,7 +132,8 @@ class Session:
             # Nothing before the last ``keep`` tokens will be attended again: the drafter's
             # context restarts there (add_context would skip the same rows, so the result
             # is the same to the bit).
-            taps = mx.concatenate(self.pending)[-keep:]
+            # (copied out, so the rows dropped are freed, not kept alive by a view)
+            taps = mx.contiguous(mx.concatenate(self.pending)[-keep:])
             self.pending, self.pending_rows = [taps], keep
             self.pending_start = len(self.tokens) - keep
             self.draft_cache = self.drafter.make_cache(start=self.pending_start)
@@ -150,8 +155,8 @@ class Session:
         pending = tuple(self.pending)
         draft_arrays = self.draft_cache.arrays() if self.draft_cache is not None else []
         mx.eval(list(pending) + draft_arrays)
-        nbytes = sum(x.nbytes for x in _arrays(cache) + draft_arrays + list(pending))
-        return Snapshot(tuple(self.tokens), cache, draft, pending, self.pending_start, nbytes)
+        snap = Snapshot(tuple(self.tokens), cache, draft, pending, self.pending_start, 0)
+        return snap.with_nbytes()
 
     def restore(self, snap: "Snapshot"):
         """Continue from ``snap`` (of a session on the same target and drafter); the
@@ -172,7 +177,8 @@ class Session:
 @dataclass(frozen=True)
 class Snapshot:
     """A session's state after ``tokens`` (:meth:`Session.snapshot`); ``nbytes`` sums its
-    arrays (arrays shared with other snapshots are counted in each)."""
+    distinct arrays (an array shared with other snapshots counts in each; a PrefixCache
+    counts it once)."""
 
     tokens: tuple[int, ...]
     cache: object
@@ -180,6 +186,18 @@ class Snapshot:
     pending: tuple
     pending_start: int
     nbytes: int
+
+    def arrays(self) -> list[mx.array]:
+        """Every distinct array the snapshot holds."""
+        seen, out = set(), []
+        for x in _arrays([self.cache, self.drafter, list(self.pending)]):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+        return out
+
+    def with_nbytes(self) -> "Snapshot":
+        return replace(self, nbytes=sum(x.nbytes for x in self.arrays()))
 
 
 def _arrays(tree) -> list[mx.array]:

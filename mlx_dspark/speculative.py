@@ -41,14 +41,23 @@ def _shared_prefix(session: Session, prompt: list[int]) -> int:
 
 
 def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
-    """Feed the prompt (or the part the session has not seen) and return the last logits."""
+    """Feed the prompt (or the part the session has not seen) and return the last logits.
+
+    The prompt goes in pieces cut at the session's ``checkpoints``, and the session is handed
+    to ``on_checkpoint`` after each piece but the last (a prompt cache snapshots it there).
+    The cuts depend on the prompt alone, so a request continued from one of those snapshots
+    computes exactly what the cold run computed after it."""
     if session.tokens and not _shared_prefix(session, prompt):
         session.reset()
-    new = prompt[len(session.tokens):]
-    logits, taps = session.target.step(mx.array([new]), session.cache,
-                                       tap_layers=session.tap_layers if tap else None,
-                                       last_only=True)
-    session.feed(new, taps)
+    cuts = [c for c in session.checkpoints if len(session.tokens) < c < len(prompt)]
+    for end in cuts + [len(prompt)]:
+        new = prompt[len(session.tokens):end]
+        logits, taps = session.target.step(mx.array([new]), session.cache,
+                                           tap_layers=session.tap_layers if tap else None,
+                                           last_only=True)
+        session.feed(new, taps)
+        if end < len(prompt) and session.on_checkpoint is not None:
+            session.on_checkpoint(session)
     return logits[0, -1]
 
 

@@ -286,7 +286,10 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             if record:
                 cache.record = (conv0, ssm0, xbc, x, dt, B, C)
-            cache.conv = padded[:, -k1:] if k1 else conv0
+            # after a long step, copy the window out: a view would keep the whole step's
+            # input alive (T x conv_dim floats per layer) in the cache and its snapshots
+            cache.conv = (mx.contiguous(padded[:, -k1:]) if t > SERIAL_MAX else
+                          padded[:, -k1:]) if k1 else conv0
             cache.ssm = ssm
         y = gated_rms_norm(y.reshape(b, t, self.d_inner), gate, self.norm_weight, self.g,
                            self.eps)

@@ -68,6 +68,28 @@ def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = Non
     return encode_chat(tokenizer, messages, options or {})[0]
 
 
+def message_boundaries(tokenizer, messages: list[dict], options: dict, ids: list[int]) \
+        -> list[int]:
+    """Where messages end in ``ids`` (``messages`` through the chat template): the length of
+    each shorter conversation's ids that ``ids`` begins with (the system prompt and tool
+    definitions first). A prefix the template renders otherwise, or refuses, is no
+    boundary. Only the first two and the last three message ends are looked for: each costs
+    rendering and encoding the conversation so far, and the ends in between are the ends of
+    earlier answers, which the prompt cache already keeps."""
+    out = []
+    n = len(messages)
+    for i in sorted({1, 2, n - 3, n - 2, n - 1} & set(range(1, n))):
+        try:
+            text = tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                                 add_generation_prompt=False, **options)
+        except Exception:       # e.g. a template that wants a user message last
+            continue
+        head = _encode(tokenizer, text)
+        if 0 < len(head) < len(ids) and ids[:len(head)] == head:
+            out.append(len(head))
+    return out
+
+
 def template_options(tokenizer, reasoning: str | None, given: dict | None = None) -> dict:
     """Chat template variables: ``given`` (``--chat-template-args``) and, over them,
     ``--reasoning on|off`` (the ``enable_thinking`` switch)."""
