@@ -35,7 +35,7 @@ PERSON = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "role": {"enum": ["admin", "user", "guest"]}}}
-LIST = {"type": "object", "required": ["items"],
+LIST = {"type": "object", "required": ["items"], "additionalProperties": False,
         "properties": {"items": {"type": "array", "maxItems": 3,
                                  "items": {"type": "integer", "maximum": 999}}}}
 WEATHER = {"type": "function", "function": {
