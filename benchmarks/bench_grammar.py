@@ -12,7 +12,9 @@ that is installed (llguidance, xgrammar, outlines-core) and reports, per vocabul
 * consume: advancing the matcher by one token;
 * rollback: consuming 7 drafts and rolling them back, then checking the mask equals the one
   computed before (what a rejected draft needs);
-* dependencies: what ``pip install`` brings (a runtime dependency must stay light).
+* dependencies: what ``pip install`` brings (a runtime dependency must stay light);
+* and for llguidance, the loop's own mask (grammar.Constraint.mask: the stop-token overlay and
+  the bitmask unpacked by MLX included).
 
 Then, on the demo pair through the loop (``--demo``; greedy, num_draft 3, speculative "on" and
 "off" in the same run): tokens per round with and without a grammar, the time of one mask
@@ -261,6 +263,32 @@ def measure(engine_cls, tokenizer_json, vocab, eos, ids):
                 rollback_exact=bool(rollback_ok))
 
 
+def loop_mask_cost(tokenizer_json: str, vocab: int, eos: int) -> float:
+    """Median ms of the loop's own mask (grammar.Constraint.mask: llguidance, the stop-token
+    overlay, the bitmask unpacked to booleans by MLX, evaluated) along the document."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    from mlx_dspark import grammar
+
+    class Wrapped:      # what grammar.vocabulary reads of a tokenizer
+        def __init__(self):
+            self.backend_tokenizer = Tokenizer.from_str(tokenizer_json)
+            self.eos_token_ids = [eos]
+
+    g = grammar.json_schema(SCHEMA).bind(Wrapped(), vocab)   # compact JSON: retokenize
+    ids = Tokenizer.from_str(tokenizer_json).encode(json.dumps(DOCUMENT, separators=(",", ":")),
+                                                     add_special_tokens=False).ids
+    c = grammar.Constraint(g, {eos}, vocab)
+    times = []
+    for t in ids:
+        t0 = time.perf_counter()
+        mx.eval(c.mask())
+        times.append(time.perf_counter() - t0)
+        c.advance(t)
+    return 1e3 * statistics.median(times)
+
+
 # ---------------------------------------------------------------------------------------------
 # The demo pair through the loop
 
@@ -382,6 +410,10 @@ def main(argv=None):
             print(f"  {name:14} {r['setup_ms']:8.0f} {r['compile_ms']:10.1f} {r['mask_median_ms']:11.3f} "
                   f"{r['mask_p90_ms']:6.3f} {r['mask_max_ms']:6.3f} {r['consume_us']:10.1f} "
                   f"{r['rollback_us']:14.1f} {str(r['rollback_exact']):5}  {r['requires']}")
+        if "llguidance" in args.engines:
+            ms = loop_mask_cost(tj, vocab, eos)
+            rows.append(dict(vocabulary=label, loop_mask_ms=ms))
+            print(f"  the loop's mask (grammar.Constraint.mask, evaluated): {ms:.3f} ms median")
     if args.demo:
         rows += demo_loop()
     if args.json:

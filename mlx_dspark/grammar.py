@@ -69,8 +69,8 @@ def _checked(source: str, label: str, param: str) -> Grammar:
     return Grammar(source, label)
 
 
-# JSON as json.dumps writes it (", " and ": ", no other whitespace): a small model cannot pad
-# an answer with blanks until max_tokens.
+# JSON without whitespace ({"a":1,"b":[2,3]}): a small model cannot pad an answer with blanks
+# until max_tokens.
 _COMPACT = {"whitespace_flexible": False}
 
 
