@@ -2,11 +2,12 @@
 closing note of issue 22 quotes it): the client asks, the model calls two tools, gets their
 results, answers.
 
-The demo pair is a 3.9 M-parameter model trained on Python source: it never writes a valid
-call, even when `tool_choice` names the function (that is prompting, not enforcement). So the
-loop runs twice: on the demo pair with a forced call, to show what comes back (text, as the
-model wrote it), and on `mlx_dspark.testing.scripted`, a stand-in target that writes the
-replies below token by token, to show the whole loop through the real server and client.
+The demo pair is a 3.9 M-parameter model trained on Python source: left to itself it never
+writes a call. When `tool_choice` names the function the call is constrained by grammar
+(docs/grammar.md), so it comes back well formed with typed arguments, though what a code model
+puts in them is no answer. So the loop runs twice: on the demo pair with a forced call, and on
+`mlx_dspark.testing.scripted`, a stand-in target that writes the replies below token by
+token, to show the whole loop through the real server and client.
 
     .venv/bin/python docs/agent_loop.py
 """
@@ -54,15 +55,17 @@ def loop(client, model, max_tokens, **extra):
             show("tool", f"{c.function.name} -> {result}")
             messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
         extra.pop("tool_choice", None)
+        extra.pop("parallel_tool_calls", None)
 
 
 def main():
-    print("== the demo pair, tool_choice naming get_weather (prompting only) ==")
+    print("== the demo pair, tool_choice naming get_weather (grammar-constrained) ==")
     proc, url = launch(["--speculative", "on"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
     try:
-        loop(openai.OpenAI(base_url=url + "/v1", api_key="-"), "mlx-dspark-demo", 40,
-             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        loop(openai.OpenAI(base_url=url + "/v1", api_key="-"), "mlx-dspark-demo", 60,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}},
+             parallel_tool_calls=False)
     finally:
         proc.terminate()
         proc.wait()

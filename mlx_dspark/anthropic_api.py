@@ -161,8 +161,10 @@ def _tools(body: dict) -> ToolUse:
         if kind not in ("auto", "none"):
             raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
         return ToolUse()
-    if choice.get("disable_parallel_tool_use"):
-        raise ApiError("'tool_choice.disable_parallel_tool_use' is not supported yet",
+    single = bool(choice.get("disable_parallel_tool_use"))
+    if single and kind not in ("any", "tool"):
+        raise ApiError("'tool_choice.disable_parallel_tool_use' needs a forced tool_choice "
+                       "(any or tool), whose calls a grammar holds to one",
                        "tool_choice.disable_parallel_tool_use")
     openai = [{"type": "function", "function": {"name": t["name"],
                                                 "description": t.get("description", ""),
@@ -172,9 +174,10 @@ def _tools(body: dict) -> ToolUse:
     if kind == "auto":
         return ToolUse(openai, names)
     if kind == "any":
-        return ToolUse(openai, names, tools.START + "\n")
+        return ToolUse(openai, names, tools.START + "\n", not single)
     if kind == "tool" and choice.get("name") in names:
-        return ToolUse(openai, names, f"{tools.START}\n<function={choice['name']}>\n")
+        return ToolUse(openai, names, f"{tools.START}\n<function={choice['name']}>\n",
+                       not single)
     raise ApiError("'tool_choice' must be auto, any, none, or a tool among 'tools'",
                    "tool_choice")
 

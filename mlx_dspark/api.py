@@ -218,9 +218,10 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, sampling: str | None = None,
-                 thinking_token_budget: int | None = None) -> Request:
+                 thinking_token_budget: int | None = None, response_format: dict | None = None,
+                 grammar=None) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
-    the tokenizer's eos ids among the stop tokens)."""
+    the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer)."""
     strings, ids = split_stops(stop)
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
@@ -230,7 +231,8 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
                    thinking=thinking_of(pair.tokenizer, prompt),
-                   thinking_token_budget=thinking_token_budget)
+                   thinking_token_budget=thinking_token_budget,
+                   grammar=constraint_of(pair, prompt, response_format, grammar))
 
 
 def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
@@ -247,6 +249,24 @@ def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
     def encode(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))
     return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
+
+
+def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
+    """The grammar that ``response_format=`` (OpenAI's shape) or ``grammar=`` (a
+    grammar.Grammar or a JSON schema dict) asks for, bound to the pair's tokenizer; after the
+    thinking block when the prompt opens one (the reasoning stays free)."""
+    if response_format is None and grammar is None:
+        return None
+    from . import grammar as grammars
+    if response_format is not None and grammar is not None:
+        raise RequestError("grammar", "give response_format or grammar, not both")
+    chosen = grammars.response_format(response_format) if response_format is not None \
+        else grammars.of(grammar)
+    if chosen is None:
+        return None
+    if thinking_of(pair.tokenizer, prompt) is not None:
+        chosen = chosen.after_thinking()
+    return chosen.bind(pair.tokenizer, pair.target.config.vocab_size)
 
 
 # mlx-lm's keywords (and the draft model's), and how they are spelled here.
@@ -290,6 +310,11 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
     ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
     the block itself and the model answers.
+
+    ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``) or ``grammar`` (a :mod:`mlx_dspark.grammar` Grammar,
+    such as ``grammar.tool_calls(tools)``, or a JSON schema dict) constrain the output: every
+    token follows the grammar, in serial and speculative decoding alike (docs/grammar.md).
 
     ``sampling``: "rejection" (more drafts accepted) or "reproducible" (a ``seed`` gives the
     same tokens whether or not and however the drafter speculates); both sample exactly the

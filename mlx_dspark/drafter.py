@@ -32,7 +32,7 @@ from .integrity import check_checkpoint
 from .kernels.attention import sink_attention, window_mask
 from .kernels.norm import FUSED_ROWS, rms_norm
 from .quant import Weights
-from .sampling import gumbel_max
+from .sampling import constrain, gumbel_max
 from .target import compute_dtype
 
 
@@ -270,27 +270,35 @@ class Drafter(nn.Module):
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None,
-                cache: "DrafterCache | None" = None):
+                cache: "DrafterCache | None" = None, constraint=None):
         """Draft ``n`` tokens after ``bonus``, which sits at the position after ``cache``'s
         context (default: the drafter's own cache).
 
         ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
         noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
         argmax. Returns lazy ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits
-        each token was drawn from (warp them with ``sampling.warp`` for the distribution)."""
+        each token was drawn from (warp them with ``sampling.warp`` for the distribution).
+
+        ``constraint(j, prev)`` (a grammar, grammar.Constraint.drafting): the allowed tokens
+        of row ``j`` given the token drawn before it; the row is drawn from its logits masked
+        (sampling.constrain), and the masked logits are returned."""
         if not 1 <= n < self.config.block_size:
             raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
                              f"tokens (block_size {self.config.block_size})")
         u = self.block_logits(bonus, n, cache)
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
+        if constraint is not None:     # reads each draft back: not compiled
+            return self._markov_draws(u, prev, noise, temperature, top_p, top_k, constraint)
         return self._draws(u, prev, noise, temperature, top_p, top_k)
 
-    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k):
+    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k, constraint=None):
         """The Markov loop over ``u [n, V]`` (:meth:`block_logits`): each row corrected by
         the token drawn before it. Compiled as ``_draws`` (its shapes are fixed for an n)."""
         tokens, logits = [], []
         for j in range(u.shape[0]):
             z = u[j:j + 1] + self.markov_head(prev)
+            if constraint is not None:
+                z = constrain(z, constraint(j, prev))
             g = None if noise is None else noise[j:j + 1]
             prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
             tokens.append(prev)

@@ -29,11 +29,9 @@ FIELDS = {
     "chat": SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                "reasoning_effort", "thinking_token_budget", "tools",
                                "tool_choice", "parallel_tool_calls", "logprobs",
-                               "top_logprobs", "cache_salt"},
-    "completion": SAMPLING_FIELDS | {"prompt", "logprobs", "cache_salt"},
+                               "top_logprobs", "cache_salt", "response_format"},
+    "completion": SAMPLING_FIELDS | {"prompt", "logprobs", "cache_salt", "response_format"},
 }
-# Fields another part of the engine will honour; refused until then.
-NOT_YET = {"response_format"}
 
 
 def check_fields(body: dict, kind: str):
@@ -41,8 +39,6 @@ def check_fields(body: dict, kind: str):
     for name, value in body.items():
         if value is None:
             continue
-        if name in NOT_YET:
-            raise ApiError(f"'{name}' is not supported yet", name, "unsupported_parameter")
         if name not in FIELDS[kind]:
             raise ApiError(f"'{name}' is not supported by this server; it honours "
                            f"{', '.join(sorted(FIELDS[kind]))}", name, "unsupported_parameter")
@@ -161,6 +157,26 @@ def _content(content, where: str, empty_ok: bool = False) -> str:
     return content
 
 
+def constraint_options(body: dict, use: "ToolUse") -> dict:
+    """api.make_request's grammar keywords: ``response_format`` (text, json_object,
+    json_schema), or for a forced ``tool_choice`` (``use.prefill``, the call's opening the
+    prompt ends with) the grammar of the rest of Nemotron's tool calls to ``tools``
+    (grammar.tool_calls), so that the call is well formed and its arguments typed."""
+    from . import grammar
+    from .request import RequestError
+    response_format = _get(body, "response_format", (dict,))
+    if not use.prefill:
+        return {"response_format": response_format} if response_format else {}
+    if response_format and response_format.get("type") != "text":
+        raise ApiError("'response_format' and a forced 'tool_choice' cannot both constrain "
+                       "the answer", "response_format")
+    try:
+        return {"grammar": grammar.tool_calls(use.tools, parallel=use.parallel,
+                                              prefix=use.prefill)}
+    except RequestError as e:
+        raise ApiError(str(e), e.param) from None
+
+
 def chat_messages(body: dict) -> list[dict]:
     """The messages as the chat template takes them: roles (``developer`` is ``system``),
     text content, an assistant's ``tool_calls`` with their arguments as objects, a tool
@@ -218,13 +234,14 @@ class ToolUse:
     tools: list | None = None
     functions: dict | None = None
     prefill: str = ""
+    parallel: bool = True        # a forced reply may hold several calls
 
 
 def tool_use(body: dict) -> ToolUse:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` read and checked. "auto" (the
     default with tools): the model may call; "none": the tools are not shown; "required" and
-    a named function: the reply starts with the opening of a call (by prompting: nothing
-    stops the model from writing a wrong call, which then comes back as text)."""
+    a named function: the reply starts with the opening of a call (the prompt's prefill)
+    and the rest is held to well-formed calls by grammar (:func:`constraint_options`)."""
     defs = _get(body, "tools", (list,))
     for j, t in enumerate(defs or []):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
@@ -232,11 +249,13 @@ def tool_use(body: dict) -> ToolUse:
                 or not isinstance(f.get("parameters", {}), (dict, type(None))):
             raise ApiError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
                            f"{{\"name\": ..., \"parameters\": {{...}}}}}}", f"tools[{j}]")
-    if _get(body, "parallel_tool_calls", (bool,)) is False:
-        raise ApiError("'parallel_tool_calls': false is not supported yet (a reply may hold "
-                       "several calls)", "parallel_tool_calls", "unsupported_parameter")
+    parallel = _get(body, "parallel_tool_calls", (bool,)) is not False
     choice = body.get("tool_choice")
     choice = "auto" if choice is None else choice
+    if not parallel and not (choice == "required" or isinstance(choice, dict)):
+        raise ApiError("'parallel_tool_calls': false needs a forced 'tool_choice' (\"required\" "
+                       "or a named function), whose calls a grammar holds to one",
+                       "parallel_tool_calls", "unsupported_parameter")
     names = tools.schemas(defs)
     if choice == "none" or not defs:
         if choice not in ("none", "auto"):
@@ -245,7 +264,7 @@ def tool_use(body: dict) -> ToolUse:
     if choice == "auto":
         return ToolUse(defs, names)
     if choice == "required":
-        return ToolUse(defs, names, tools.START + "\n")
+        return ToolUse(defs, names, tools.START + "\n", parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
         and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
         else None
@@ -255,7 +274,7 @@ def tool_use(body: dict) -> ToolUse:
     if name not in names:
         raise ApiError(f"'tool_choice' names {name!r}, which is not among 'tools'",
                        "tool_choice")
-    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n")
+    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel)
 
 
 def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:

@@ -101,8 +101,9 @@ class Request:
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
     API then tells reasoning from answer), else None. ``thinking_token_budget``: most tokens
     the reply thinks before the engine closes the block itself (None: no cap; without
-    ``thinking`` there is nothing to cap). ``grammar`` is reserved for constrained decoding;
-    a request that sets it is refused until it is honoured."""
+    ``thinking`` there is nothing to cap). ``grammar``: a :class:`mlx_dspark.grammar.Grammar`
+    bound to the tokenizer (api.make_request binds it) that every emitted token must follow;
+    stop tokens then end a run only where the grammar is complete."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256
@@ -149,8 +150,11 @@ class Request:
             raise RequestError("stop", "stop token ids must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise RequestError("stop", "stop strings must be non-empty strings")
-        if self.grammar is not None:
-            raise RequestError("grammar", "grammar is not supported yet")
+        # a grammar.Grammar (not imported: grammar.py imports this module)
+        if self.grammar is not None and not isinstance(getattr(self.grammar, "source", None),
+                                                       str):
+            raise RequestError("grammar", f"grammar must be a mlx_dspark.grammar.Grammar, "
+                                          f"not {type(self.grammar).__name__}")
         budget = self.thinking_token_budget
         if budget is not None and (not _integer(budget) or budget < 0):
             raise RequestError("thinking_token_budget", f"thinking_token_budget must be an "

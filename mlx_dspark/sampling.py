@@ -117,6 +117,13 @@ def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: 
     return mx.exp(log_warp(logits, temperature, top_p, top_k))
 
 
+def constrain(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """``logits`` with the tokens a grammar forbids (``allowed`` false, broadcast over rows)
+    at ``-inf``, before any warping; ``None`` leaves them as they are. Target and drafter
+    apply the same masks, so both acceptance schemes stay exact."""
+    return logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+
+
 def gumbel_max(logits: mx.array, temperature: float, top_p: float, top_k: int,
                noise: mx.array | None) -> mx.array:
     """The token of each row: ``argmax(log warp(logits) + noise)``; ``noise=None`` (greedy)

@@ -30,8 +30,9 @@ from .engine import Engine, Job, log
 from . import anthropic_api, logprobs
 from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse,
                          chat_messages, check_fields, check_model, completion_prompt,
-                         error_response, logprobs_request, parse_body, sampling_options,
-                         stream_flags, thinking_options, tool_use, _get, model_object)
+                         constraint_options, error_response, logprobs_request, parse_body,
+                         sampling_options, stream_flags, thinking_options, tool_use, _get,
+                         model_object)
 from .request import RequestError as RequestValueError
 from .tokenizer import chat_ids, message_boundaries, prompt_ids
 
@@ -98,6 +99,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         else:
             prompt = completion_prompt(body, vocab)
             ids = prompt if isinstance(prompt, list) else await encode(prompt)
+        options.update(constraint_options(body, use))
         params = Params(make_request(ids, options, budget, "messages" if kind == "chat"
                                      else "prompt"), stream, include_usage, use,
                         logprobs_request(body, kind))
@@ -186,7 +188,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             check_model(body, model_ids)
             m = anthropic_api.read(body)
             ids = await encode(m.messages, m.template, m.use)
-            params = make_request(ids, m.options, m.budget, "messages")
+            options = {**m.options, **constraint_options({}, m.use)}   # forced calls
+            params = make_request(ids, options, m.budget, "messages")
             stream = bool(_get(body, "stream", (bool,)))
             job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}))
             engine.submit(job)

@@ -60,9 +60,12 @@ class Drafter(Protocol):
     def add_context(self, taps: mx.array, start_pos: int, cache: Cache): ...
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None, cache: Cache = None):
+                top_k: int = 0, noise: mx.array | None = None, cache: Cache = None,
+                constraint=None):
         """Lazy ``(tokens [n], logits [n, V])``: the drafts, drawn as
-        ``argmax(log warp(logits) + noise)`` (argmax without noise), and their logits."""
+        ``argmax(log warp(logits) + noise)`` (argmax without noise), and their logits.
+        Under a grammar, ``constraint(j, prev)`` gives the allowed tokens of row j (after
+        the draft ``prev``); each row is masked before it is drawn and returned masked."""
 
 
 @dataclass

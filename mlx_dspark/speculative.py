@@ -9,10 +9,13 @@
       commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
 
 A serial step is the same machinery with no drafts. The break-even controller decides, before
-each step, which of the two to run. ``decode(session, request)`` yields tokens one at a time;
-the session holds every cache, the request every option. Stop tokens and ``max_tokens`` are
-applied here so that the target and drafter state after a stop is the same as after serial
-decoding (the stop token is emitted, never fed)."""
+each step, which of the two to run. Under a grammar (grammar.Constraint) every row of logits,
+the drafter's and the target's, is masked the same way before warping: each draft is drawn under
+the mask of the tokens before it, the verify pass's row i takes the mask after d1..di, and the
+matcher rolls back the drafts the target rejected. ``decode(session, request)`` yields tokens
+one at a time; the session holds every cache, the request every option. Stop tokens and
+``max_tokens`` are applied here so that the target and drafter state after a stop is the same
+as after serial decoding (the stop token is emitted, never fed)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ import mlx.core as mx
 
 from . import sampling
 from .controller import Controller
+from .grammar import Constraint
 from .request import NonFiniteLogits, Request, RequestError
-from .sampling import Noise, Sampler
+from .sampling import Noise, Sampler, constrain
 from .session import Session
 from .stats import Stats
 
@@ -61,10 +65,12 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
     return logits[0, -1]
 
 
-def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int) -> mx.array:
-    """Choose the token at ``position`` from one row of target logits (lazy, shape []); -1
-    when the logits are not finite (see :func:`finite`)."""
-    token = sampler.choose(logits, noise.at(position, 1, logits.shape[-1]))[0]
+def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int,
+         allowed: mx.array | None = None) -> mx.array:
+    """Choose the token at ``position`` from one row of target logits (lazy, shape []), among
+    the ``allowed`` ones under a grammar; -1 when the logits are not finite (see
+    :func:`finite`)."""
+    token = sampler.choose(constrain(logits, allowed), noise.at(position, 1, logits.shape[-1]))[0]
     return mx.where(mx.isfinite(logits).all(), token.astype(mx.int32), -1)
 
 
@@ -84,22 +90,36 @@ def finite(token: int, session: Session) -> int:
                           f"the checkpoint (mlx-dspark verify DIR)")
 
 
-def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool):
+def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool,
+                grammar: Constraint | None = None):
     """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
     the lazy next token and the taps; the caller feeds the token once it has read it."""
     position = len(session.tokens) + 1
     logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
                                        session.cache,
                                        tap_layers=session.tap_layers if tap else None)
-    return pick(logits[0, -1:], sampler, noise, position), taps
+    row = logits[0, -1:]
+    return pick(row, sampler, noise, position, grammar_mask(grammar, row)), taps
 
 
-def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None):
+def grammar_mask(grammar: Constraint | None, logits: mx.array, drafts: mx.array | None = None):
+    """The grammar's mask of the rows of ``logits`` (None without a grammar), computed on the
+    CPU while the device computes them: the row after the emitted tokens, or with ``drafts``
+    the verify pass's rows after d1..di."""
+    if grammar is None:
+        return None
+    mx.async_eval(logits)
+    return grammar.mask() if drafts is None else grammar.verify_masks(drafts)
+
+
+def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None,
+          grammar: Constraint | None = None):
     """The drafter proposes d1..dn after the bonus with ``noise`` [n, V]; lazy tokens and
-    logits."""
+    logits. Under a grammar each draft is drawn from its masked logits."""
+    options = {} if grammar is None else {"constraint": grammar.drafting}
     return session.drafter.propose(bonus, n, temperature=sampler.temperature,
                                    top_p=sampler.top_p, top_k=sampler.top_k, noise=noise,
-                                   cache=session.draft_cache)
+                                   cache=session.draft_cache, **options)
 
 
 def verify(session: Session, bonus: int, drafts: mx.array):
@@ -111,12 +131,15 @@ def verify(session: Session, bonus: int, drafts: mx.array):
 
 
 def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
-           sampler: Sampler, noise: mx.array | None, key) -> tuple[mx.array, mx.array]:
+           sampler: Sampler, noise: mx.array | None, key,
+           allowed: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """How many drafts survive, and the token after them (docs/design.md §7 step 3), both lazy.
 
     ``noise`` is the noise the drafts were drawn with (rows 1..n) plus the row after them:
     the coupled scheme compares each draft with the target's Gumbel-max token under the same
-    noise; rejection sampling compares the two warped distributions."""
+    noise; rejection sampling compares the two warped distributions. ``allowed``: a grammar's
+    masks of the target's rows (the drafter's are masked already)."""
+    target_logits = constrain(target_logits, allowed)
     if sampler.greedy or sampler.scheme == "reproducible":
         return sampling.accept_coupled(drafts, sampler.choose(target_logits, noise))
     return sampling.accept_rejection(drafts, sampler.warp(target_logits),
@@ -173,12 +196,15 @@ def decode(session: Session, request: Request, stats: Stats | None = None) -> It
     cannot serve is refused here, before any token is asked for."""
     check(session, request)
     stats = stats if stats is not None else Stats()
+    grammar = None if request.grammar is None else \
+        Constraint(request.grammar, request.stop_tokens, session.target.config.vocab_size)
     if request.thinking is not None and request.thinking_token_budget is not None:
-        return _think_within_budget(session, request, stats)
-    return _decode(session, request, stats)
+        return _think_within_budget(session, request, stats, grammar)
+    return _decode(session, request, stats, grammar)
 
 
-def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
+def _decode(session: Session, request: Request, stats: Stats,
+            grammar: Constraint | None) -> Iterator[int]:
     prompt, max_tokens, num_draft = list(request.prompt), request.max_tokens, request.num_draft
     sampler = Sampler.of(request)
     stats.requested = request.speculative
@@ -198,8 +224,9 @@ def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
     stats.generated = 0
-    out = [finite(pick(prefill(session, prompt, tap=tap)[None], sampler, noise,
-                       len(prompt)).item(), session)]
+    last = prefill(session, prompt, tap=tap)[None]
+    out = [finite(pick(last, sampler, noise, len(prompt), grammar_mask(grammar, last)).item(),
+                  session)]
     stats.t_prefill = time.perf_counter() - t0
     # Serial steps are pipelined (as mlx-lm's generate_step): the next step is built on the
     # lazy token and queued before this one is read. ``ahead`` is that step (lazy token,
@@ -225,21 +252,24 @@ def _decode(session: Session, request: Request, stats: Stats) -> Iterator[int]:
             yield token
             if stats.finish_reason is not None:
                 return
+            if grammar is not None:
+                grammar.advance(token)
             if ahead is None and _speculate(control, use_drafter, num_draft, room):
                 out = _round(session, token, min(num_draft, room - 1), sampler, noise, stops,
-                             stats, control)
+                             stats, control, grammar)
             else:
                 t0 = time.perf_counter() if ahead is None else t_read
                 if ahead is None:
-                    nxt, taps = serial_step(session, token, sampler, noise, tap)
+                    nxt, taps = serial_step(session, token, sampler, noise, tap, grammar)
                     mx.async_eval(nxt)
                 else:
                     nxt, taps, _ = ahead
                     ahead = None
                 session.feed([token], taps)
                 # Build ahead only within a serial stretch: while speculating, a serial step is
-                # a single cost refresh, decided after it is observed.
-                if room >= 2 and not (use_drafter and control.speculating) \
+                # a single cost refresh, decided after it is observed. A grammar's next mask
+                # needs the token read first.
+                if room >= 2 and grammar is None and not (use_drafter and control.speculating) \
                         and not _speculate(control, use_drafter, num_draft, room - 1):
                     mark = session.cache.mark()
                     ahead = (*serial_step(session, nxt, sampler, noise, tap), mark)
@@ -269,7 +299,7 @@ def _speculate(control, use_drafter: bool, num_draft: int, room: int) -> bool:
     return use_drafter and min(num_draft, room - 1) >= 1 and control.speculate_next()
 
 
-def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int]:
+def _round(session, bonus, n, sampler, noise, stops, stats, control, grammar) -> list[int]:
     """One speculative round; returns the tokens it emits (accepted drafts + next token).
 
     Drafts, verify and acceptance are built as one lazy graph and read back once."""
@@ -287,17 +317,21 @@ def _round(session, bonus, n, sampler, noise, stops, stats, control) -> list[int
                                         or control.predicted_speedup() is None)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
-    drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n])
+    drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n],
+                                 grammar)
     t1 = time.perf_counter()
     target_logits, taps = verify(session, bonus, drafts)
     a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
-                    None if sampler.greedy else noise.next_key())
+                    None if sampler.greedy else noise.next_key(),
+                    grammar_mask(grammar, target_logits, drafts))
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
     read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
     finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
     out = _through_stop(out, stops)
+    if grammar is not None:
+        grammar.settle(len(out) - 1)   # the accepted drafts stay consumed; the rest roll back
     t3 = time.perf_counter()
     commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
@@ -334,7 +368,8 @@ def _count_round(stats: Stats, control: Controller, n: int, a: int, times):
 # A thinking budget
 
 
-def _think_within_budget(session: Session, request: Request, stats: Stats) -> Iterator[int]:
+def _think_within_budget(session: Session, request: Request, stats: Stats,
+                         grammar: Constraint | None) -> Iterator[int]:
     """``request`` with its thinking capped at ``thinking_token_budget`` tokens.
 
     Three stretches on one session: the reply decoded up to the budget; then, unless the
@@ -345,7 +380,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
     target, their taps queued for the drafter), so both caches hold exactly the state of
     that token sequence, as when a chat's next turn extends the session. ``stats`` shows
     the stretches as one generation (the prompt is the request's; tokens, rounds and times
-    add up)."""
+    add up). A grammar's matcher follows the whole reply, the closing ids included."""
     budget, end = request.thinking_token_budget, list(request.thinking.end)
     replace = dataclasses.replace
     parts: list[Stats] = []
@@ -373,7 +408,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
         first = replace(request, max_tokens=min(budget, request.max_tokens),
                         thinking_token_budget=None)
         part = Stats()
-        for token in _decode(session, first, part):
+        for token in _decode(session, first, part, grammar):
             reply.append(token)
             done = part.finish_reason == "stop" or part.finish_reason is not None and room() <= 0
             show(part, part.finish_reason if done else None)
@@ -381,6 +416,8 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
             if done:
                 return
         parts.append(part)
+        if grammar is not None:
+            grammar.advance(reply[-1])      # a stretch's last token is not consumed by it
     if not _contains(reply, request.thinking.close):
         for token in end:
             reply.append(token)
@@ -388,6 +425,8 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
             yield token
             if stats.finish_reason is not None:
                 return
+            if grammar is not None:
+                grammar.advance(token)
     # "reproducible" noise is keyed by position, so the rest keeps the seed; "rejection" draws
     # from a key stream, which the rest must not replay from its start.
     seed = request.seed
@@ -396,7 +435,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats) -> It
     rest = replace(request, prompt=request.prompt + tuple(reply), max_tokens=room(),
                    thinking_token_budget=None, seed=seed)
     part = Stats()
-    for token in _decode(session, rest, part):
+    for token in _decode(session, rest, part, grammar):
         reply.append(token)
         show(part, part.finish_reason)
         yield token

@@ -287,7 +287,7 @@ def test_the_anthropic_endpoint_wants_the_key_and_answers_errors_in_its_shape(de
 
 CHAT = [{"role": "user", "content": "hi"}]
 REFUSED = [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"user": "u1"}, "user"),
     ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),

@@ -53,7 +53,7 @@ class OracleDrafter:
             self.inner.add_context(taps, start_pos, cache.inner)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise=None, cache: "OracleCache" = None):
+                top_k: int = 0, noise=None, cache: "OracleCache" = None, constraint=None):
         if self.inner is not None:
             mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise,
                                        cache.inner))
@@ -64,10 +64,14 @@ class OracleDrafter:
             pos = cache.length + j
             right = self.reference[pos] if pos < len(self.reference) else 0
             if self.rng.random() < self.acceptance(pos):
-                tokens.append(right)
+                token = right
             else:
-                tokens.append((right + 1 + int(self.rng.integers(self.vocab_size - 1)))
-                              % self.vocab_size)
+                token = (right + 1 + int(self.rng.integers(self.vocab_size - 1))) \
+                    % self.vocab_size
+            if constraint is not None:       # under a grammar: the first allowed token
+                allowed = np.array(constraint(j - 1, mx.array(tokens[-1:] or [bonus])))
+                token = token if allowed[token] else int(np.argmax(allowed))
+            tokens.append(token)
         # The draft distribution is a point mass on each proposal (any warping keeps it so).
         logits = mx.full((n, self.vocab_size), -1e9, dtype=mx.float32)
         logits[mx.arange(n), mx.array(tokens)] = 0.0
