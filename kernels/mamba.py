@@ -16,11 +16,17 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .norm import FUSED_ROWS
 
-@mx.compile
+
 def discretize_dt(dt_raw: mx.array, dt_bias: mx.array, limit: tuple[float, float]) -> mx.array:
-    """``clip(softplus(dt + dt_bias), *limit)`` in float32. Compiled, as the conv: its
-    elementwise ops fuse."""
+    """``clip(softplus(dt + dt_bias), *limit)`` in float32. Compiled for short inputs, as the
+    conv: its elementwise ops fuse."""
+    fn = _discretize_compiled if dt_raw.shape[1] <= FUSED_ROWS else _discretize
+    return fn(dt_raw, dt_bias, limit)
+
+
+def _discretize(dt_raw, dt_bias, limit):
     dt = nn.softplus(dt_raw.astype(mx.float32) + dt_bias)
     lo, hi = limit
     if lo > 0.0 or hi != float("inf"):
@@ -33,13 +39,15 @@ def causal_conv(padded: mx.array, weight: mx.array, bias: mx.array | None) -> mx
 
     Written as a fixed-order sum of K shifted products so that the value at a position
     depends only on its own window, never on how many positions are computed together.
-    Compiled (one fused kernel; the same one for a step, a verify and a prefill piece)."""
+    Compiled (one fused kernel, the same for a step and a verify) up to ``FUSED_ROWS``
+    positions; compiled graphs are cached per shape, so a prompt of any length runs the same
+    operations uncompiled (bit-identical, as kernels.norm) rather than compile anew."""
+    short = padded.shape[1] - (weight.shape[1] - 1) <= FUSED_ROWS
     if bias is None:
-        return _conv(padded, weight)
-    return _conv_bias(padded, weight, bias)
+        return (_conv_compiled if short else _conv)(padded, weight)
+    return (_conv_bias_compiled if short else _conv_bias)(padded, weight, bias)
 
 
-@mx.compile
 def _conv(padded, weight):
     k = weight.shape[1]
     t = padded.shape[1] - (k - 1)
@@ -49,9 +57,13 @@ def _conv(padded, weight):
     return out
 
 
-@mx.compile
 def _conv_bias(padded, weight, bias):
     return _conv(padded, weight) + bias
+
+
+_discretize_compiled = mx.compile(_discretize)
+_conv_compiled = mx.compile(_conv)
+_conv_bias_compiled = mx.compile(_conv_bias)
 
 
 def _per_head(v: mx.array, heads: int) -> mx.array:

@@ -7,13 +7,17 @@ with requests of their own."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .chat_template import check_template_variables
 from .integrity import check_level
 from . import reasoning
 from .request import Request, RequestError, Thinking, speculative_mode, split_stops
@@ -41,6 +45,9 @@ class Pair:
     receipts: tuple = (None, None)
     # Snapshots calls without a session continue from (prompt_cache.PromptCache), or None.
     prompt_cache: object = field(default=None, repr=False)
+    # MLX work on one pair runs one step at a time: generations from several threads take
+    # turns token by token (and one thread may still interleave several generations).
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
@@ -62,6 +69,15 @@ class Pair:
         raise TypeError("md.load() returns one Pair, not (model, tokenizer): write "
                         "`pair = md.load(...)` and `md.generate(pair, prompt)`; its parts are "
                         "pair.target, pair.drafter and pair.tokenizer")
+
+    @functools.cached_property
+    def decodable(self) -> int | None:
+        """How many ids the tokenizer can decode, when fewer than the model's vocabulary (a
+        padded embedding); the others are never sampled. None when all can be."""
+        if self.tokenizer is None:
+            return None
+        ids = max(self.tokenizer.get_vocab().values(), default=-1) + 1
+        return ids if ids < self.target.config.vocab_size else None
 
     def stop_tokens(self) -> frozenset:
         """The ids that always end a generation (the tokenizer's eos ids)."""
@@ -223,6 +239,10 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
     the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer)."""
     strings, ids = split_stops(stop)
+    if not isinstance(chat, bool):
+        raise RequestError("chat", f"chat must be True or False, not {chat!r}")
+    if chat_template_kwargs is not None:
+        check_template_variables(chat_template_kwargs)
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
     prompt = prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs)
@@ -357,6 +377,8 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
     if session is None:
         session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
                           home=pair)
+    if request.vocab_limit is None and pair.decodable is not None:
+        request = dataclasses.replace(request, vocab_limit=pair.decodable)
     stats = Stats()
     return _chunks(pair, request, decode(session, request, stats), stats)
 
@@ -405,7 +427,7 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
 
     shown = 0        # characters of the detokenized text already yielded
     try:
-        for token in tokens:
+        for token in _taking_turns(tokens, pair.lock):
             last = stats.finish_reason is not None     # decode names it before the last token
             stop = last and stats.finish_reason == "stop" and token in stops
             if detok is None:
@@ -427,7 +449,18 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
             yield chunk(text[shown:end], token, last, stop)
             shown = max(shown, end)
     finally:
-        tokens.close()
+        with pair.lock:
+            tokens.close()
+
+
+def _taking_turns(tokens: Iterator[int], lock) -> Iterator[int]:
+    """``tokens``, each computed while holding ``lock`` (never held across a yield)."""
+    while True:
+        with lock:
+            token = next(tokens, None)
+        if token is None:
+            return
+        yield token
 
 
 def generate(pair: Pair, prompt, max_tokens: int | None = None, *,

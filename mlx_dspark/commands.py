@@ -275,6 +275,22 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     defaults.add_argument("-m", "--max-tokens", type=_positive, metavar="N",
                           help="most tokens per answer")
     add_template_arguments(defaults)
+    # Exposure and connections (docs/serve.md, "Exposure")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (https://app.example) call the server "
+                        "(CORS); '*' for any; repeatable (default: no browser origin)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="accept requests whose Host is NAME too (default: localhost names and "
+                        "the --host address); repeatable")
+    p.add_argument("--max-request-mb", type=_at_least(1), default=8, metavar="MB",
+                   help="largest request body; larger ones get HTTP 413 (default 8)")
+    p.add_argument("--max-connections", type=_at_least(1), default=1000, metavar="N",
+                   help="open connections; past it the one slowest to send its request is "
+                        "closed (default 1000)")
+    p.add_argument("--read-timeout", type=_at_least(1), default=30, metavar="S",
+                   help="seconds a client has to send a whole request (default 30)")
+    p.add_argument("--idle-timeout", type=_at_least(1), default=5, metavar="S",
+                   help="seconds an idle kept-alive connection stays open (default 5)")
 
 
 # serve's flag -> (the request field it defaults, generation_config.json's key)
@@ -362,9 +378,21 @@ def prompt_store_factory(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from .chat_template import check_template_variables
+    from .connections import Limits
     from .engine import Engine
+    from .http_guard import Exposure
     from .server import listen, serve
 
+    if args.api_key is not None and not args.api_key:
+        print("mlx-dspark serve: error: --api-key is empty: no request could match it "
+              "(give a key, or leave the flag out)", file=sys.stderr)
+        return 2
+    try:
+        check_template_variables(args.chat_template_args)
+    except ValueError as e:
+        print(f"mlx-dspark serve: error: --chat-template-args: {e}", file=sys.stderr)
+        return 2
     if args.host not in LOOPBACK and args.api_key is None:
         print(f"mlx-dspark serve: warning: listening on {args.host} without --api-key: anyone "
               f"who can reach this machine can use the model", file=sys.stderr)
@@ -374,6 +402,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlx-dspark serve: error: cannot listen on {args.host}:{args.port}: "
               f"{e.strerror or e} (another server there? pick another --port)", file=sys.stderr)
         return 1
+    exposure = Exposure(bound=args.host, hosts=frozenset(h.lower() for h in args.allow_host),
+                        origins=frozenset(o.rstrip("/") for o in args.allow_origin),
+                        max_body=args.max_request_mb << 20)
+    limits = Limits(read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
+                    max_connections=args.max_connections)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
                     use_drafter=args.speculative != "off", store=prompt_store_factory(args))
     code = 0
@@ -384,7 +417,8 @@ def run_serve(args: argparse.Namespace) -> int:
         names = model_names(args, engine.pair.path)
         print(banner(engine.pair, names[0], sock, defaults), file=sys.stderr, flush=True)
         serve(engine, names, sock, args.api_key,
-              dict(defaults, num_draft=args.num_draft, speculative=args.speculative))
+              dict(defaults, num_draft=args.num_draft, speculative=args.speculative),
+              exposure, limits)
     except KeyboardInterrupt:
         print("mlx-dspark serve: interrupted", file=sys.stderr)
         code = 130

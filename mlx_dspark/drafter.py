@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,6 +127,27 @@ class Layer(nn.Module):
         return self._ffn(x + self.self_attn(self.input_layernorm(x), pos0, ctx_k, ctx_v, mask))
 
 
+DRAW_SETTINGS = 8   # sampling settings whose compiled draws are kept (the most recent)
+
+
+class CompiledPerKey:
+    """``mx.compile(fn)`` once per key, the ``keep`` most recently used kept. MLX caches a
+    compiled graph per value of each non-array argument (a request's temperature), for as long
+    as the compiled function lives: one per key, dropped when evicted, bounds what a server
+    that sees a new setting in every request holds."""
+
+    def __init__(self, fn, keep: int):
+        self.fn, self.keep = fn, keep
+        self.compiled: OrderedDict = OrderedDict()
+
+    def __call__(self, key, *args):
+        fn = self.compiled.pop(key, None) or mx.compile(self.fn)
+        self.compiled[key] = fn
+        if len(self.compiled) > self.keep:
+            self.compiled.popitem(last=False)
+        return fn(*args)
+
+
 class MarkovHead(nn.Module):
     """``bias(prev) = W2 · W1[prev]``; computed in fp32 whatever the model dtype, because each
     drawn token feeds the next step."""
@@ -154,7 +176,7 @@ class Drafter(nn.Module):
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
         self.markov_head = MarkovHead(w)
-        self._draws = mx.compile(self._markov_draws)
+        self._draws = CompiledPerKey(self._markov_draws, DRAW_SETTINGS)
         if not share_embedding:
             self.embed_tokens = nn.Module()
             self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use
@@ -270,7 +292,8 @@ class Drafter(nn.Module):
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None,
-                cache: "DrafterCache | None" = None, constraint=None):
+                cache: "DrafterCache | None" = None, constraint=None,
+                vocab: int | None = None):
         """Draft ``n`` tokens after ``bonus``, which sits at the position after ``cache``'s
         context (default: the drafter's own cache).
 
@@ -288,10 +311,13 @@ class Drafter(nn.Module):
         u = self.block_logits(bonus, n, cache)
         prev = mx.array(bonus, dtype=mx.int32).reshape(1)
         if constraint is not None:     # reads each draft back: not compiled
-            return self._markov_draws(u, prev, noise, temperature, top_p, top_k, constraint)
-        return self._draws(u, prev, noise, temperature, top_p, top_k)
+            return self._markov_draws(u, prev, noise, temperature, top_p, top_k, vocab,
+                                      constraint)
+        return self._draws((temperature, top_p, top_k, vocab), u, prev, noise, temperature,
+                           top_p, top_k, vocab)
 
-    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k, constraint=None):
+    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k, vocab,
+                      constraint=None):
         """The Markov loop over ``u [n, V]`` (:meth:`block_logits`): each row corrected by
         the token drawn before it. Compiled as ``_draws`` (its shapes are fixed for an n)."""
         tokens, logits = [], []
@@ -300,7 +326,7 @@ class Drafter(nn.Module):
             if constraint is not None:
                 z = constrain(z, constraint(j, prev))
             g = None if noise is None else noise[j:j + 1]
-            prev = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
+            prev = gumbel_max(z, temperature, top_p, top_k, g, vocab).astype(mx.int32)
             tokens.append(prev)
             logits.append(z)
         return mx.concatenate(tokens), mx.concatenate(logits)

@@ -25,6 +25,7 @@ from .request import NonFiniteLogits, Request
 from .session import Session
 
 log = logging.getLogger("mlx_dspark.serve")
+CANCELLED = "the request was cancelled (its client went away)"
 
 
 @dataclass
@@ -132,7 +133,9 @@ class Engine:
         while (job := self._jobs.get()) is not None:
             self._current = job
             try:
-                if not job.cancelled.is_set():
+                if job.cancelled.is_set():
+                    job.emit("error", CANCELLED)
+                else:
                     self._run(job)
             except NonFiniteLogits as e:      # the session reset itself; the reason is news
                 job.emit("error", f"generation failed: {e}")
@@ -165,6 +168,7 @@ class Engine:
                     self._remember(job)       # the prompt's state, before any answer token
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1
+                    job.emit("error", CANCELLED)   # ends a handler still waiting for it
                     break
             else:
                 self.served += 1

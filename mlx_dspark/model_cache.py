@@ -8,6 +8,8 @@ directory always wins over a repo id of the same spelling. Free of MLX."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -37,20 +39,36 @@ def resolve(name) -> Path:
     repo = name
     revision = pinned_revision(load_pins(), repo)
     out = cache_root() / f"{repo.replace('/', '--')}--{revision or 'main'}"
-    if out.exists():
-        _check_receipt(out, repo, revision)
-        return out
-    from .converter import convert
-    print(f"mlx-dspark: first use of {repo}: converting it into {out} (later loads reuse it)",
-          file=sys.stderr)
-    convert(repo, out, revision=revision)
+    if not out.exists():        # a conversion is renamed into place whole: absent or complete
+        with _converting(out):
+            if not out.exists():        # not converted by another process meanwhile
+                from .converter import convert
+                print(f"mlx-dspark: first use of {repo}: converting it into {out} (later "
+                      f"loads reuse it)", file=sys.stderr)
+                convert(repo, out, revision=revision)
+    _check_receipt(out, repo, revision)
     return out
+
+
+@contextlib.contextmanager
+def _converting(out: Path):
+    """Hold the lock of cache entry ``out``: a second process resolving the same repo id
+    waits here for the first one's conversion, then uses it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _check_receipt(out: Path, repo: str, revision: str | None) -> None:
     """The cache entry must be a conversion of ``repo`` (at ``revision`` when pinned)."""
     try:
         source = load_receipt(out)["source"]
+        if not isinstance(source, dict):
+            raise TypeError("source is not an object")
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise ConversionError(f"{out}: cached conversion of {repo} has no readable "
                               f"{RECEIPT_NAME}; delete the directory to convert again") from None

@@ -15,10 +15,13 @@ from starlette.responses import JSONResponse
 
 from . import tools
 from .answer import Answer
+from .chat_template import check_template_variables
+from .request import RequestError
 
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
 MAX_STOPS = 4                   # as OpenAI
 MAX_TOP_LOGPROBS = 20           # as OpenAI
+MAX_DEPTH = 32                  # JSON nesting: chat needs 4, tools add their schemas' depth
 
 # Every field each endpoint honours (docs/serve.md lists them); any other field that is set
 # (not null) is refused with a 400 naming it, so no request is silently served as something
@@ -57,8 +60,10 @@ class ApiError(Exception):
             message, param, code, status, type
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
+def error_response(e: ApiError, cors_origin: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else {}
+    if cors_origin is not None:     # an allowed browser origin may read the error
+        headers.update({"Access-Control-Allow-Origin": cors_origin, "Vary": "Origin"})
     return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
                                    "code": e.code}}, status_code=e.status, headers=headers)
 
@@ -94,13 +99,31 @@ def _get(body: dict, name: str, kinds, check=None, what: str = ""):
 
 
 def parse_body(raw: bytes) -> dict:
+    too_deep = ApiError(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:          # deeper than the interpreter's recursion limit
+        raise too_deep from None
+    if _depth(body) > MAX_DEPTH:
+        raise too_deep
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
+
+
+def _depth(value) -> int:
+    """How deep ``value`` nests arrays and objects (iteratively: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                todo.extend((v, depth + 1) for v in
+                            (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -282,7 +305,12 @@ def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
     ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off) and the
     thinking budget."""
     options = dict(defaults)
-    options.update(_get(body, "chat_template_kwargs", (dict,)) or {})
+    variables = _get(body, "chat_template_kwargs", (dict,)) or {}
+    try:
+        check_template_variables(variables)
+    except RequestError as e:
+        raise ApiError(str(e), e.param) from None
+    options.update(variables)
     effort = _get(body, "reasoning_effort", (str,))
     if effort is not None:
         if effort != "none":

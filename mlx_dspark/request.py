@@ -101,7 +101,9 @@ class Request:
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
     API then tells reasoning from answer), else None. ``thinking_token_budget``: most tokens
     the reply thinks before the engine closes the block itself (None: no cap; without
-    ``thinking`` there is nothing to cap). ``grammar``: a :class:`mlx_dspark.grammar.Grammar`
+    ``thinking`` there is nothing to cap). ``vocab_limit``: ids at or above it are never
+    drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
+    when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.grammar.Grammar`
     bound to the tokenizer (api.make_request binds it) that every emitted token must follow;
     stop tokens then end a run only where the grammar is complete."""
 
@@ -119,6 +121,7 @@ class Request:
     grammar: object = None
     thinking: Thinking | None = None
     thinking_token_budget: int | None = None
+    vocab_limit: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -162,6 +165,10 @@ class Request:
         if self.thinking is not None and not (self.thinking.end and self.thinking.close):
             raise RequestError("thinking", "thinking needs the closing tag's ids and the ids "
                                            "that end a thinking block")
+        if self.vocab_limit is not None and (not _integer(self.vocab_limit)
+                                             or self.vocab_limit < 1):
+            raise RequestError("vocab_limit", f"vocab_limit must be an integer >= 1 or None, "
+                                              f"not {self.vocab_limit!r}")
 
     @property
     def greedy(self) -> bool:
@@ -171,6 +178,10 @@ class Request:
 def split_stops(stop) -> tuple[tuple[str, ...], frozenset]:
     """``stop`` as the API takes it (None, a string, an id, or a list of both) split into stop
     strings and stop token ids."""
+    if stop is not None and not isinstance(stop, (str, int, list, tuple, frozenset, set)) \
+            or isinstance(stop, bool):
+        raise RequestError("stop", f"stop must be a string, a token id or a list of them, "
+                                   f"not {stop!r}")
     stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
     strings = tuple(s for s in stop if isinstance(s, str))
     ids = frozenset(s for s in stop if not isinstance(s, str))

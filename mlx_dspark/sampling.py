@@ -36,13 +36,15 @@ class Sampler:
     top_p: float = 1.0
     top_k: int = 0
     scheme: str = DEFAULT_SCHEME
+    vocab: int | None = None    # ids at or above it are never drawn (Request.vocab_limit)
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.top_k, self.scheme)
 
     @classmethod
     def of(cls, request: Request) -> "Sampler":
-        return cls(request.temperature, request.top_p, request.top_k, request.sampling)
+        return cls(request.temperature, request.top_p, request.top_k, request.sampling,
+                   request.vocab_limit)
 
     @property
     def greedy(self) -> bool:
@@ -50,10 +52,10 @@ class Sampler:
 
     def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
         """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
-        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise)
+        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab)
 
     def warp(self, logits: mx.array) -> mx.array:
-        return warp(logits, self.temperature, self.top_p, self.top_k)
+        return warp(logits, self.temperature, self.top_p, self.top_k, self.vocab)
 
 
 class Noise:
@@ -81,40 +83,52 @@ class Noise:
         return mx.random.gumbel((n, vocab), key=self.next_key())
 
 
+def mask_vocab(logits: mx.array, vocab: int | None) -> mx.array:
+    """``logits`` with ids at or above ``vocab`` set to -inf (a model whose embedding is
+    padded past its tokenizer: such ids cannot be decoded, so they are never meant)."""
+    if vocab is None or vocab >= logits.shape[-1]:
+        return logits
+    return mx.where(mx.arange(logits.shape[-1]) < vocab, logits, -mx.inf)
+
+
 def log_warp(logits: mx.array, temperature: float, top_p: float = 1.0,
-             top_k: int = 0) -> mx.array:
+             top_k: int = 0, vocab: int | None = None) -> mx.array:
     """Log-probabilities (float32, last axis) after temperature, top-k and top-p; excluded
-    tokens are -inf. ``temperature > 0``. The largest logit is subtracted before dividing, so
-    a tiny temperature (1e-30) gives the limit (mass spread over the tied maxima, -inf
-    elsewhere) instead of inf - inf."""
-    z = logits.astype(mx.float32)
-    z = (z - z.max(axis=-1, keepdims=True)) / temperature
+    tokens are -inf. ``temperature > 0``. The largest logit is subtracted before dividing and
+    the maxima are kept at 0, so a tiny temperature (1e-300 is 0 in float32) gives the limit
+    (mass spread over the tied maxima, -inf elsewhere) instead of 0 / 0."""
+    z = mask_vocab(logits.astype(mx.float32), vocab)
+    z = z - z.max(axis=-1, keepdims=True)
+    z = mx.where(z < 0, z / temperature, z)
     if top_k and top_k < z.shape[-1]:
         kth = mx.sort(z, axis=-1)[..., -top_k][..., None]
         z = mx.where(z < kth, -mx.inf, z)
     logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
     if 0 < top_p < 1:
         # Keep the smallest set of most likely tokens whose mass reaches top_p
-        # (a token is kept when the mass strictly before it is < top_p).
+        # (a token is kept when the mass strictly before it is < top_p; the most likely
+        # always, so a top_p below float32's range, 1e-300, is the most likely token).
         probs = mx.exp(logp)
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(sorted_p, axis=-1) - sorted_p
-        keep_sorted = before < top_p
+        keep_sorted = (before < top_p) | (mx.arange(z.shape[-1]) == 0)
         keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
         logp = mx.where(keep, logp, -mx.inf)
         logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
     return logp
 
 
-def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> mx.array:
-    """Probabilities (float32, last axis) after temperature, top-k and top-p.
+def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+         vocab: int | None = None) -> mx.array:
+    """Probabilities (float32, last axis) after temperature, top-k and top-p; ids from
+    ``vocab`` on have none.
 
     ``temperature == 0`` gives the one-hot of the argmax (ties: lowest index)."""
     if temperature == 0:
-        best = mx.argmax(logits, axis=-1, keepdims=True)
+        best = mx.argmax(mask_vocab(logits, vocab), axis=-1, keepdims=True)
         return (mx.arange(logits.shape[-1]) == best).astype(mx.float32)
-    return mx.exp(log_warp(logits, temperature, top_p, top_k))
+    return mx.exp(log_warp(logits, temperature, top_p, top_k, vocab))
 
 
 def constrain(logits: mx.array, allowed: mx.array | None) -> mx.array:
@@ -125,12 +139,12 @@ def constrain(logits: mx.array, allowed: mx.array | None) -> mx.array:
 
 
 def gumbel_max(logits: mx.array, temperature: float, top_p: float, top_k: int,
-               noise: mx.array | None) -> mx.array:
+               noise: mx.array | None, vocab: int | None = None) -> mx.array:
     """The token of each row: ``argmax(log warp(logits) + noise)``; ``noise=None`` (greedy)
-    is the plain argmax."""
+    is the plain argmax. Never an id from ``vocab`` on."""
     if noise is None:
-        return mx.argmax(logits, axis=-1)
-    return mx.argmax(log_warp(logits, temperature, top_p, top_k) + noise, axis=-1)
+        return mx.argmax(mask_vocab(logits, vocab), axis=-1)
+    return mx.argmax(log_warp(logits, temperature, top_p, top_k, vocab) + noise, axis=-1)
 
 
 def seed_word(seed: int) -> int:

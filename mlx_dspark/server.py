@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 # Imported here, on the main thread: mlx_lm imported first on another thread can abort the
 # interpreter at exit ("terminate called without an active exception").
-from . import api
+from . import anthropic_api, api, logprobs, open_files
+from .connections import Limits
 from .engine import Engine, Job, log
-from . import anthropic_api, logprobs
+from .http_guard import Exposure, HttpGuard
 from .openai_api import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse,
                          chat_messages, check_fields, check_model, completion_prompt,
                          constraint_options, error_response, logprobs_request, parse_body,
@@ -37,6 +40,8 @@ from .request import RequestError as RequestValueError
 from .tokenizer import chat_ids, message_boundaries, prompt_ids
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
+FILES_RESERVED = 128    # descriptors kept for the process itself (weights, logs, pipes)
+ENCODERS = 2            # prompts tokenized at once (each takes memory in proportion to its text)
 
 
 async def _events(job: Job):
@@ -55,13 +60,32 @@ async def _events(job: Job):
 ENGINE_OPTIONS = ("num_draft", "speculative")     # set by the server, never by a request
 
 
+@contextlib.asynccontextmanager
+async def _cancelled_on_disconnect(request: Request, job: Job):
+    """While in the block, a client that goes away (for a non-streamed answer) cancels the
+    job: its body is read, so the next message it sends is the disconnect."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled.set()
+
+    watching = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        watching.cancel()
+
+
 def create_app(engine: Engine, model_id, api_key: str | None = None,
-               defaults: dict | None = None) -> Starlette:
+               defaults: dict | None = None, exposure: Exposure | None = None) -> Starlette:
     """The ASGI app; ``engine`` must be started (its pair loaded). ``model_id``: the id it
     serves, or a list of the names it answers to (the id first). ``defaults``: the server's
     ``num_draft`` and ``speculative`` for every request, and the defaults of fields a request
     may leave out (``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
-    ``chat_template_kwargs``)."""
+    ``chat_template_kwargs``). ``exposure``: who may reach it (http_guard.py; default: this
+    machine, no web origin)."""
+    if api_key is not None and not api_key:
+        raise ValueError("an empty API key would let no request in")
     model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
     model_id = model_ids[0]
     defaults = dict(defaults or {})
@@ -70,12 +94,19 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
     tokenizer = engine.pair.tokenizer
     limit = engine.pair.target.context_limit
     vocab = engine.pair.target.config.vocab_size
+    # No token decodes to more characters than the longest vocabulary entry, so a text longer
+    # than limit * longest cannot fit the context: refused before it is tokenized.
+    longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+    encoders = asyncio.Semaphore(ENCODERS)
+    # Header bytes as sent (HTTP headers are bytes; starlette reads them as latin-1), the key
+    # as UTF-8: a non-ASCII key matches the client that sends it in UTF-8.
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     def authorize(request: Request):
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, expected):
             raise ApiError("missing or wrong API key (send 'Authorization: Bearer KEY')",
                                code="invalid_api_key", status=401)
 
@@ -109,11 +140,18 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         """Token ids of a completion prompt, or of chat messages through the template (with
         the tools, and a forced call's opening after the generation prompt)."""
         where = "messages" if template is not None else "prompt"
+        chars = len(prompt) if isinstance(prompt, str) else \
+            sum(len(m.get("content") or "") for m in prompt)
+        if limit is not None and chars > limit * longest:
+            raise ApiError(f"the prompt has {chars} characters, more than this model's "
+                           f"context of {limit} tokens can hold", where,
+                           "context_length_exceeded")
         try:
-            if template is None:
-                ids = await run_in_threadpool(prompt_ids, tokenizer, prompt)
-            else:
-                ids = await run_in_threadpool(chat_ids, tokenizer, prompt, template, use)
+            async with encoders:
+                if template is None:
+                    ids = await run_in_threadpool(prompt_ids, tokenizer, prompt)
+                else:
+                    ids = await run_in_threadpool(chat_ids, tokenizer, prompt, template, use)
         except Exception as e:   # no chat template, or the template refuses the messages
             raise ApiError(f"'{where}' cannot be encoded: "
                            f"{' '.join(str(e).split()) or type(e).__name__}", where) from None
@@ -142,13 +180,14 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         engine.submit(job)
         reply = Reply(kind, model_id, params.tools.functions, params.tools.prefill)
         if not params.stream:
-            async for what, item in _events(job):
-                if what == "error":
-                    raise ApiError(item, status=500, type="server_error")
-                if what == "logprobs":
-                    reply.logprobs = logprobs.openai(kind, item, tokenizer)
-                else:
-                    reply.add(item)
+            async with _cancelled_on_disconnect(request, job):
+                async for what, item in _events(job):
+                    if what == "error":
+                        raise ApiError(item, status=500, type="server_error")
+                    if what == "logprobs":
+                        reply.logprobs = logprobs.openai(kind, item, tokenizer)
+                    else:
+                        reply.add(item)
             return JSONResponse(reply.whole())
 
         async def sse():
@@ -181,7 +220,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             if api_key is not None:
                 given = request.headers.get("x-api-key") or \
                     request.headers.get("authorization", "").removeprefix("Bearer ")
-                if not hmac.compare_digest(given.encode(), api_key.encode()):
+                if not hmac.compare_digest(given.encode("latin-1"), api_key.encode()):
                     raise ApiError("missing or wrong API key (send 'x-api-key: KEY')",
                                    status=401)
             body = parse_body(await request.body())
@@ -197,10 +236,11 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             return anthropic_api.error_response(e)
         reply = anthropic_api.MessageReply(model_id, m.use, len(ids))
         if not stream:
-            async for what, item in _events(job):
-                if what == "error":
-                    return anthropic_api.error_response(ApiError(item, status=500))
-                reply.add(item)
+            async with _cancelled_on_disconnect(request, job):
+                async for what, item in _events(job):
+                    if what == "error":
+                        return anthropic_api.error_response(ApiError(item, status=500))
+                    reply.add(item)
             return JSONResponse(reply.whole())
 
         async def events():
@@ -268,8 +308,10 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         yield
         engine.stop()       # at shutdown, before uvicorn hands a Ctrl-C or SIGTERM back
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        ApiError: refused, HTTPException: http_error, Exception: crashed})
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(HttpGuard, exposure=exposure or Exposure())],
+                     exception_handlers={ApiError: refused, HTTPException: http_error,
+                                         Exception: crashed})
 
 
 def cache_space(request: Request, body: dict) -> str:
@@ -304,11 +346,23 @@ def listen(host: str, port: int):
 
 
 def serve(engine: Engine, model_id, sock, api_key: str | None,
-          defaults: dict | None = None):
+          defaults: dict | None = None, exposure: Exposure | None = None,
+          limits: Limits | None = None):
     """Run on the bound ``sock`` (:func:`listen`) until Ctrl-C or SIGTERM: the generation in
     flight stops at its next token, every open request ends with an error event, uvicorn
     closes the connections and the engine thread ends."""
     import uvicorn
+
+    from .connections import protocol
+
+    limits = limits or Limits()
+    # Descriptors for every connection plus the process's own files, as far as the hard
+    # limit allows; fewer connections when it allows less.
+    room = open_files.raise_limit(limits.max_connections + FILES_RESERVED) - FILES_RESERVED
+    if room < limits.max_connections:
+        log.warning("the open-file limit allows %d connections, not %d", room,
+                    limits.max_connections)
+        limits = dataclasses.replace(limits, max_connections=max(room, 1))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -316,6 +370,13 @@ def serve(engine: Engine, model_id, sock, api_key: str | None,
             super().handle_exit(sig, frame)
 
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults), host=host, port=port,
-                            log_level="info", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, exposure),
+                            host=host, port=port, http=protocol(limits),
+                            limit_concurrency=limits.max_connections + 1,
+                            # asyncio accepts up to a backlog of connections before any of
+                            # them is seen: within the reserve, so accepting never hits the
+                            # open-file limit before the oldest slow ones are closed
+                            backlog=FILES_RESERVED // 2,
+                            timeout_keep_alive=limits.idle_timeout, log_level="info",
+                            timeout_graceful_shutdown=5)
     Server(config).run(sockets=[sock])

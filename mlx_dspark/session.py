@@ -61,11 +61,12 @@ class Drafter(Protocol):
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None, cache: Cache = None,
-                constraint=None):
+                constraint=None, vocab: int | None = None):
         """Lazy ``(tokens [n], logits [n, V])``: the drafts, drawn as
-        ``argmax(log warp(logits) + noise)`` (argmax without noise), and their logits.
-        Under a grammar, ``constraint(j, prev)`` gives the allowed tokens of row j (after
-        the draft ``prev``); each row is masked before it is drawn and returned masked."""
+        ``argmax(log warp(logits) + noise)`` (argmax without noise), never an id from
+        ``vocab`` on, and their logits. Under a grammar, ``constraint(j, prev)`` gives the
+        allowed tokens of row j (after the draft ``prev``); each row is masked before it is
+        drawn and returned masked."""
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Session:
         # a prompt cache sets both before a request (prompt_cache.py); reset keeps them.
         self.checkpoints: tuple[int, ...] = ()
         self.on_checkpoint: Callable[["Session"], None] | None = None
+        # Bumped by every decode started on this session and every restore: a generator
+        # that finds it changed was overtaken and refuses to go on (speculative.decode).
+        self.generation = 0
         self.reset()
 
     @property
@@ -117,6 +121,7 @@ class Session:
         self.pending: list[mx.array] = []
         self.pending_start = 0
         self.pending_rows = 0
+        self.ahead = None   # the cache mark of a serial step built ahead and not yet fed
 
     @property
     def tap_layers(self):
@@ -167,6 +172,7 @@ class Session:
         if (snap.drafter is None) != (self.drafter is None):
             raise ValueError("a snapshot restores only into a session like the one that took "
                              "it (both with a drafter, or both without)")
+        self.generation += 1
         self.reset()
         self.cache.restore(snap.cache)
         if self.draft_cache is not None:

@@ -119,7 +119,7 @@ def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.arra
     options = {} if grammar is None else {"constraint": grammar.drafting}
     return session.drafter.propose(bonus, n, temperature=sampler.temperature,
                                    top_p=sampler.top_p, top_k=sampler.top_k, noise=noise,
-                                   cache=session.draft_cache, **options)
+                                   cache=session.draft_cache, vocab=sampler.vocab, **options)
 
 
 def verify(session: Session, bonus: int, drafts: mx.array):
@@ -198,13 +198,28 @@ def decode(session: Session, request: Request, stats: Stats | None = None) -> It
     stats = stats if stats is not None else Stats()
     grammar = None if request.grammar is None else \
         Constraint(request.grammar, request.stop_tokens, session.target.config.vocab_size)
+    if session.ahead is not None:   # a generator left suspended with a step built ahead
+        session.cache.rewind(session.ahead)
+        session.ahead = None
+    session.generation += 1
     if request.thinking is not None and request.thinking_token_budget is not None:
-        return _think_within_budget(session, request, stats, grammar)
-    return _decode(session, request, stats, grammar)
+        return _think_within_budget(session, request, stats, grammar, session.generation)
+    return _decode(session, request, stats, grammar, session.generation)
+
+
+class StaleGenerator(RuntimeError):
+    """A generator resumed after another call changed its session."""
+
+
+def _still_current(session: Session, generation: int):
+    if session.generation != generation:
+        raise StaleGenerator("this generation's session was used by another call since "
+                             "(a newer decode or a restore); its state is no longer this "
+                             "generation's: start a new one")
 
 
 def _decode(session: Session, request: Request, stats: Stats,
-            grammar: Constraint | None) -> Iterator[int]:
+            grammar: Constraint | None, generation: int) -> Iterator[int]:
     prompt, max_tokens, num_draft = list(request.prompt), request.max_tokens, request.num_draft
     sampler = Sampler.of(request)
     stats.requested = request.speculative
@@ -240,6 +255,7 @@ def _decode(session: Session, request: Request, stats: Stats,
             for token in out[:-1]:
                 stats.generated += 1
                 yield token
+                _still_current(session, generation)
             token = out[-1]
             stats.generated += 1
             room = max_tokens - stats.generated
@@ -254,6 +270,7 @@ def _decode(session: Session, request: Request, stats: Stats,
                 return
             if grammar is not None:
                 grammar.advance(token)
+            _still_current(session, generation)
             if ahead is None and _speculate(control, use_drafter, num_draft, room):
                 out = _round(session, token, min(num_draft, room - 1), sampler, noise, stops,
                              stats, control, grammar)
@@ -264,14 +281,14 @@ def _decode(session: Session, request: Request, stats: Stats,
                     mx.async_eval(nxt)
                 else:
                     nxt, taps, _ = ahead
-                    ahead = None
+                    ahead = session.ahead = None
                 session.feed([token], taps)
                 # Build ahead only within a serial stretch: while speculating, a serial step is
                 # a single cost refresh, decided after it is observed. A grammar's next mask
                 # needs the token read first.
                 if room >= 2 and grammar is None and not (use_drafter and control.speculating) \
                         and not _speculate(control, use_drafter, num_draft, room - 1):
-                    mark = session.cache.mark()
+                    mark = session.ahead = session.cache.mark()
                     ahead = (*serial_step(session, nxt, sampler, noise, tap), mark)
                     mx.async_eval(ahead[0])
                 nxt = nxt.item()
@@ -281,7 +298,7 @@ def _decode(session: Session, request: Request, stats: Stats,
                 t_read = time.perf_counter()
                 if ahead is not None and nxt in stops:
                     session.cache.rewind(ahead[2])   # a stop token is emitted, never fed
-                    ahead = None
+                    ahead = session.ahead = None
                 stats.t_serial += t_read - t0
                 stats.serial_steps += 1
                 control.observe_serial(t_read - t0)
@@ -290,8 +307,9 @@ def _decode(session: Session, request: Request, stats: Stats,
             stats.predicted_speedup = control.predicted_speedup()
             stats.mode = "speculative" if use_drafter and control.speculating else "serial"
     finally:
-        if ahead is not None:      # closed early (a stop string): undo the step built ahead
-            session.cache.rewind(ahead[2])
+        if ahead is not None and session.generation == generation:
+            session.cache.rewind(ahead[2])  # closed early (a stop string): undo the step ahead
+            session.ahead = None
 
 
 def _speculate(control, use_drafter: bool, num_draft: int, room: int) -> bool:
@@ -369,7 +387,7 @@ def _count_round(stats: Stats, control: Controller, n: int, a: int, times):
 
 
 def _think_within_budget(session: Session, request: Request, stats: Stats,
-                         grammar: Constraint | None) -> Iterator[int]:
+                         grammar: Constraint | None, generation: int) -> Iterator[int]:
     """``request`` with its thinking capped at ``thinking_token_budget`` tokens.
 
     Three stretches on one session: the reply decoded up to the budget; then, unless the
@@ -408,7 +426,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats,
         first = replace(request, max_tokens=min(budget, request.max_tokens),
                         thinking_token_budget=None)
         part = Stats()
-        for token in _decode(session, first, part, grammar):
+        for token in _decode(session, first, part, grammar, generation):
             reply.append(token)
             done = part.finish_reason == "stop" or part.finish_reason is not None and room() <= 0
             show(part, part.finish_reason if done else None)
@@ -427,6 +445,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats,
                 return
             if grammar is not None:
                 grammar.advance(token)
+            _still_current(session, generation)
     # "reproducible" noise is keyed by position, so the rest keeps the seed; "rejection" draws
     # from a key stream, which the rest must not replay from its start.
     seed = request.seed
@@ -435,7 +454,7 @@ def _think_within_budget(session: Session, request: Request, stats: Stats,
     rest = replace(request, prompt=request.prompt + tuple(reply), max_tokens=room(),
                    thinking_token_budget=None, seed=seed)
     part = Stats()
-    for token in _decode(session, rest, part, grammar):
+    for token in _decode(session, rest, part, grammar, generation):
         reply.append(token)
         show(part, part.finish_reason)
         yield token

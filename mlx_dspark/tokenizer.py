@@ -9,10 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper, load as _load
-
 from . import reasoning
+from .chat_template import render
+from .open_files import import_mlx_lm
 from .request import RequestError
+
+_tokenizer_utils = import_mlx_lm("mlx_lm.tokenizer_utils")
+TokenizerWrapper, _load = _tokenizer_utils.TokenizerWrapper, _tokenizer_utils.load
 
 
 def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
@@ -47,7 +50,8 @@ def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = Non
     of chat messages (dicts with role and content), a list of token ids (kept as they are)
     or an ``mx.array`` of them. ``chat=True`` wraps a string as one user message; chat
     prompts go through the checkpoint's chat template with the generation prompt appended,
-    ``options`` (template variables such as ``enable_thinking``) passed to it."""
+    ``options`` (template variables such as ``enable_thinking``, never tokenizer arguments)
+    passed to it, its rendering bounded in time (chat_template.py)."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
         prompt = prompt.tolist()         # an mx.array or NumPy array of ids, as mlx-lm takes
         prompt = prompt if isinstance(prompt, list) else [prompt]
@@ -108,8 +112,7 @@ def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[in
     an ``enable_thinking`` option, mlx-lm's wrapper turns thinking on when the vocabulary has
     a ``<think>`` token (Nemotron's does; the demo pair's spells it in pieces, so its chats
     think only when asked)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **options)
+    text = render(tokenizer, messages, options)
     return _encode(tokenizer, text), text
 
 

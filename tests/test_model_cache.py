@@ -137,3 +137,59 @@ def test_a_repo_id_the_hub_cannot_give_is_one_line_and_leaves_no_cache_entry(tmp
     assert rest == [rest[0]] and rest[0].startswith(
         "mlx-dspark generate: error: nobody/nothing@main: download failed (")
     assert not any((tmp_path / "cache").glob("*/*"))
+
+
+def test_two_loads_of_one_repo_id_wait_for_one_conversion_and_both_use_it(exports, tmp_path,
+                                                                          monkeypatch):
+    import threading
+    import time
+
+    asked = []
+
+    def slow_fetch(repo_id, revision):       # a download long enough for the race
+        asked.append(repo_id)
+        time.sleep(0.5)
+        return str(exports[repo_id])
+
+    monkeypatch.setattr(hub, "_snapshot_download", slow_fetch)
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    got, errors = [], []
+
+    def resolve():
+        try:
+            got.append(model_cache.resolve(DRAFTER))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=resolve) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and asked == [DRAFTER]
+    assert got[0] == got[1] and (got[0] / RECEIPT_NAME).is_file()
+
+
+@pytest.mark.parametrize("source", ['"just a string"', "[1, 2]", "null", "7"])
+def test_a_cache_receipt_with_a_malformed_source_is_one_error(hub_stand_in, tmp_path, source):
+    entry = model_cache.resolve(DRAFTER)
+    receipt = json.loads((entry / RECEIPT_NAME).read_text())
+    text = json.dumps({**receipt, "source": None}).replace('"source": null',
+                                                           f'"source": {source}')
+    (entry / RECEIPT_NAME).write_text(text)
+    with pytest.raises(ConversionError, match=f"no readable {RECEIPT_NAME}") as e:
+        model_cache.resolve(DRAFTER)
+    assert "\n" not in str(e.value)
+
+
+def test_an_extra_weight_file_in_a_cache_entry_is_not_read(hub_stand_in, tmp_path):
+    import mlx.core as mx
+
+    pair = md.load(TARGET)
+    want = md.generate(pair, "The quick brown fox", max_tokens=8).tokens
+    entry = tmp_path / "cache" / "test-org--tiny-nemotron--main"
+    tensors = mx.load(str(entry / "model.safetensors"))
+    mx.save_safetensors(str(entry / "model-00002.safetensors"),
+                        {k: mx.zeros_like(v) for k, v in tensors.items()})
+    again = md.load(TARGET)
+    assert md.generate(again, "The quick brown fox", max_tokens=8).tokens == want

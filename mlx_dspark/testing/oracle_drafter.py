@@ -53,10 +53,11 @@ class OracleDrafter:
             self.inner.add_context(taps, start_pos, cache.inner)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise=None, cache: "OracleCache" = None, constraint=None):
+                top_k: int = 0, noise=None, cache: "OracleCache" = None, constraint=None,
+                vocab=None):
         if self.inner is not None:
             mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise,
-                                       cache.inner))
+                                       cache.inner, vocab=vocab))
         if self.draft_work is not None:
             self.draft_work()
         tokens = []

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import nemotron_h as mlx_lm_nh
 
 from .. import drafter as D
 from .. import drafter_config as DC
+from ..open_files import import_mlx_lm
 from ..target import NemotronH, TargetConfig
+
+mlx_lm_nh = import_mlx_lm("mlx_lm.models.nemotron_h")
 
 
 def tiny_config(pattern="M*EM-E", **over) -> dict:
