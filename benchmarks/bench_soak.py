@@ -82,7 +82,9 @@ def main():
                            stderr=subprocess.DEVNULL)
     curve = []
     try:
-        with httpx.Client(timeout=120) as http:
+        # a fresh connection per request: a server that closes one after an error (an older
+        # version after a 500) is not charged with the client's stale keep-alive
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as http:
             t0 = time.perf_counter()
             for i in range(args.rounds + 1):
                 if i % args.every == 0:
