@@ -73,7 +73,8 @@ def test_a_seeded_server_request_under_auto_is_the_serial_text(pair):
     engine.start()
     try:
         client = TestClient(create_app(engine, "m", defaults={"speculative": "auto",
-                                                              "num_draft": 3}))
+                                                              "num_draft": 3}),
+                            base_url="http://localhost")      # a Host naming the server
         got = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
                                                    "temperature": 1.0, "seed": 5}).json()
     finally:

@@ -73,7 +73,8 @@ def test_the_model_answers_to_the_name_path_and_repo_id_it_was_started_with(tmp_
 def test_models_by_id_and_defaults_applied(engine, pair):
     names = ["lightning", "~/models/lightning", "/abs/models/lightning"]
     client = TestClient(create_app(engine, names, defaults={
-        "temperature": 0.0, "max_tokens": 7, "num_draft": 3, "speculative": "auto"}))
+        "temperature": 0.0, "max_tokens": 7, "num_draft": 3, "speculative": "auto"}),
+        base_url="http://localhost")                # a Host naming the server
     for name in names:
         r = client.get(f"/v1/models/{name}")
         assert r.status_code == 200 and r.json()["id"] == "lightning"
@@ -93,7 +94,8 @@ def test_models_by_id_and_defaults_applied(engine, pair):
 def test_server_chat_template_args_reach_the_template(engine, pair, template_calls):
     seen = template_calls(pair.tokenizer)
     client = TestClient(create_app(engine, "m", defaults={
-        "chat_template_kwargs": {"enable_thinking": False, "a": 1}}))
+        "chat_template_kwargs": {"enable_thinking": False, "a": 1}}),
+        base_url="http://localhost")
     messages = [{"role": "user", "content": "hi"}]
     assert client.post("/v1/chat/completions", json={
         "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"a": 2}}).status_code == 200
