@@ -221,7 +221,7 @@ def _terminate_like_interrupt():
 
 
 def convert(src: str, out: str | Path, *, revision: str | None = None,
-            repo_id: str | None = None, force: bool = False, keep_mtp: bool = False,
+            repo_id: str | None = None, force: bool = False, keep_mtp: bool = True,
             pins_path: str | Path | None = None, progress: bool | None = None,
             shard_bytes: int = SHARD_BYTES) -> Path:
     with _terminate_like_interrupt():

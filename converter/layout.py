@@ -43,6 +43,19 @@ def layer_pattern(kinds) -> str:
         raise ValueError(f"unknown entry in layers_block_type {kinds!r}") from None
 
 
+def mtp_pattern(config: dict) -> str:
+    """The native MTP block's layer pattern as NVIDIA's configs spell it
+    (``mtp_hybrid_override_pattern``, or transformers-5's ``mtp_layers_block_type``), repeated
+    ``num_nextn_predict_layers`` times; "" when the config declares no MTP block."""
+    steps = config.get("num_nextn_predict_layers") or 0
+    pattern = config.get("mtp_hybrid_override_pattern")
+    if pattern is None and config.get("mtp_layers_block_type") is not None:
+        pattern = layer_pattern(config["mtp_layers_block_type"])
+    if not isinstance(steps, int) or not isinstance(pattern, str):
+        return ""
+    return pattern * steps
+
+
 def decode_float(v) -> float:
     """A config number, including ModelOpt's ``{"__float__": "Infinity"}`` for non-finite ones."""
     if isinstance(v, dict) and set(v) == {"__float__"}:

@@ -23,7 +23,8 @@ from .layout import GROUP_SIZE
 from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
-TARGET, DRAFTER = "target", "drafter"
+TARGET, DRAFTER, EAGLE3 = "target", "drafter", "eagle3"
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
 # Weight-only runtime: activation and KV-cache calibration scales have no use (docs/design.md §4).
 DROPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
@@ -44,9 +45,14 @@ SIZE_CHECKS = {
     "drafter": {"vocab_size": (r"embed_tokens\.weight", 0),
                 "hidden_size": (r"embed_tokens\.weight", 1),
                 "intermediate_size": (r"layers\.\d+\.mlp\.up_proj\.weight", 0)},
+    "eagle3": {"vocab_size": (r"embed_tokens\.weight", 0),
+               "hidden_size": (r"midlayer\.input_layernorm\.weight", 0),
+               "draft_vocab_size": (r"lm_head\.weight", 0),
+               "intermediate_size": (r"midlayer\.mlp\.up_proj\.weight", 0)},
 }
 _LAYER = {"target": re.compile(r"^backbone\.layers\.(\d+)\."),
-          "drafter": re.compile(r"^layers\.(\d+)\.")}
+          "drafter": re.compile(r"^layers\.(\d+)\."),
+          "eagle3": re.compile(r"^layers\.(\d+)\.")}
 
 
 @dataclass
@@ -116,11 +122,13 @@ def detect_kind(config: dict, names, config_path: Path) -> str:
     if "Qwen3DSparkModel" in arch or (
             "fc.weight" in names and any(n.startswith("markov_head.") for n in names)):
         return DRAFTER
+    if set(arch) & set(EAGLE3_ARCHITECTURES) or ("d2t" in names and "fc.weight" in names):
+        return EAGLE3
     if any("NemotronH" in a for a in arch) or any(n.startswith("backbone.") for n in names):
         return TARGET
     raise ConversionError(
         f"{config_path}: unsupported model (architectures {arch}): expected a Nemotron-H "
-        f"target or an NVIDIA DSpark drafter")
+        f"target, an NVIDIA DSpark drafter or an EAGLE-3 head")
 
 
 def _err(t: TensorInfo, msg: str) -> ConversionError:
@@ -286,7 +294,7 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
         t = keep[name]
         if name.endswith((".weight_scale", ".weight_scale_2")):
             raise _err(t, f"scale without its weight {name.rsplit('.', 1)[0]}.weight")
-        if t.dtype not in DENSE_DTYPES and t.dtype not in ("I64", "I32"):
+        if t.dtype not in DENSE_DTYPES and t.dtype not in ("I64", "I32", "BOOL"):
             raise _err(t, f"unsupported dtype {t.dtype} for an unquantized tensor")
         items.append((name, t.dtype, t.shape, t))
 

@@ -5,7 +5,7 @@ Public names are imported lazily so that ``mlx-dspark convert`` starts without l
 _PUBLIC = {
     "load": "api", "generate": "api", "stream_generate": "api",
     "Pair": "api", "Result": "api", "Chunk": "api",
-    "load_target": "target", "load_drafter": "drafter",
+    "load_target": "target", "load_drafter": "drafters",
     "Request": "request", "Session": "session", "Stats": "stats",
 }
 

@@ -140,11 +140,13 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
-    GPU, fp32 on the CPU). ``model``/``drafter``: local directories of converted checkpoints,
-    or Hugging Face repo ids of ModelOpt exports, converted on first use into the cache
-    (model_cache.py). A local
-    directory wins over a repo id of the same spelling. ``model=None`` loads the embedded
-    demonstration pair (a small demo model, not Nemotron); then ``drafter=None`` means the demo
+    GPU, fp32 on the CPU). ``model``: a local directory of a converted target, or the Hugging
+    Face repo id of a ModelOpt export, converted on first use into the cache (model_cache.py);
+    a local directory wins over a repo id of the same spelling. ``drafter``: ``"mtp"`` (the
+    target's own MTP block, kept by ``convert`` unless ``--no-mtp``), or a converted DSpark
+    drafter or EAGLE-3 head (a directory or repo id; which one its config.json says).
+    ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
+    then ``drafter`` None or ``"dspark"`` (also ``"mtp"``, ``"eagle3"``) names an embedded demo
     drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).
     ``verify``: how much of both checkpoints is checked against their conversion receipts
     before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
@@ -160,22 +162,27 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     recently used first out), so a long shared prefix is prefilled once, across restarts
     (docs/prompt-cache.md)."""
     from . import model_cache
-    from .drafter import load_drafter
+    from .drafters import load_drafter
     from .memory import check_fits
     from .prompt_store import receipt_hash
     from .target import compute_dtype, load_target, read_target_config
 
     if model is None:
         model = DEMO / "target"
-        drafter = DEMO / "drafter" if drafter is None else drafter
+        drafter = demo_drafter(drafter)
+    elif drafter in ("dspark", "eagle3"):
+        raise FileNotFoundError(f"--drafter {drafter} names the embedded demo drafter, which "
+                                f"goes with the demo target only; pass the converted "
+                                f"drafter's directory")
     check_level(verify)
     for name, what in ((model, "model"), (drafter, "drafter")):
-        if name is not None and not model_cache.is_repo_id(name) \
+        if name is not None and name != "mtp" and not model_cache.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
     dtype = compute_dtype(dtype)
     model = model_cache.resolve(model)
-    drafter = model_cache.resolve(drafter) if drafter is not None else None
+    if drafter is not None and drafter != "mtp":
+        drafter = model_cache.resolve(drafter)
     read_target_config(model)     # a drafter or another architecture: said before anything
     if memory_check:
         check_fits(model, drafter, dtype)
@@ -184,7 +191,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
                 tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
-                receipts=(receipt_hash(model), receipt_hash(drafter)))
+                receipts=(receipt_hash(model), f"mtp:{receipt_hash(model)}" if drafter == "mtp"
+                          else receipt_hash(drafter)))
     if prompt_cache_dir is not None:
         from .prompt_cache import PromptCache
         from .prompt_store import open_store
@@ -228,6 +236,46 @@ def kernel_cache_cold() -> bool:
         return False
     cache = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
     return not any(cache.glob("*.so"))
+
+
+def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
+    """One more drafter for ``pair``'s target (``bench --drafter A --drafter B``), named as
+    :func:`load` names one (``demo``: the pair is the embedded demo pair)."""
+    from . import model_cache
+    from .drafters import load_drafter
+
+    if demo:
+        name = demo_drafter(name)
+    elif name in ("dspark", "eagle3"):
+        raise FileNotFoundError(f"--drafter {name} names an embedded demo drafter, which goes "
+                                f"with the demo target only; pass the drafter's directory")
+    if name != "mtp":
+        if not model_cache.is_repo_id(name) and not Path(name).expanduser().is_dir():
+            raise FileNotFoundError(f"{name}: no such drafter directory")
+        name = model_cache.resolve(name)
+    return load_drafter(name, pair.target, verify=verify)
+
+
+def demo_drafter(name):
+    """The embedded demo drafter ``name`` (None: DSpark) names: "mtp", or a directory."""
+    if name is None or name == "dspark":
+        return DEMO / "drafter"
+    if name == "mtp" and (DEMO / "target" / "config.json").is_file() and \
+            _demo_has_mtp():
+        return "mtp"
+    if name == "eagle3" and (DEMO / "eagle3").is_dir():
+        return DEMO / "eagle3"
+    if name in ("mtp", "eagle3"):
+        raise FileNotFoundError(f"the demo {name} drafter is not shipped yet (the embedded demo "
+                                f"target has DSpark and its own MTP block); pass --model DIR "
+                                f"--drafter DIR")
+    return name
+
+
+def _demo_has_mtp() -> bool:
+    import json
+    with open(DEMO / "target" / "config.json") as f:
+        return bool(json.load(f).get("num_nextn_predict_layers"))
 
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,

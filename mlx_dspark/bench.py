@@ -34,24 +34,27 @@ def run_once(target, drafter, request: Request, home=None) -> tuple[list[int], S
     return list(decode(session, request, stats)), stats
 
 
-def measure(run, num_prompts: int, repeats: int, first_seed: int = 0, progress=None):
+def measure(run, num_prompts: int, repeats: int, first_seed: int = 0, progress=None,
+            modes=tuple(MODES)):
     """The measurement loop of ``mlx-dspark bench`` (and ``testing.compare``): for each repeat, every
     prompt in every mode, interleaved. ``run(i, mode, seed) -> (tokens, Stats)`` decodes
     prompt ``i``; ``progress(rep, i, per_mode)`` (optional) is called after each prompt.
+    ``modes``: their names (``bench --drafter A --drafter B`` has a speculative and an auto
+    mode per drafter and draft length).
 
     Returns ``runs`` (mode -> per repeat, the Stats of each prompt; what :func:`summarize`
     takes) and ``outputs`` (per prompt, mode -> the tokens of the last repeat)."""
-    runs = {m: [] for m in MODES}
+    runs = {m: [] for m in modes}
     outputs = [dict() for _ in range(num_prompts)]
     for rep in range(repeats):
-        per_mode = {m: [] for m in MODES}
+        per_mode = {m: [] for m in modes}
         for i in range(num_prompts):
-            for m in MODES:
+            for m in modes:
                 outputs[i][m], stats = run(i, m, first_seed + rep)
                 per_mode[m].append(stats)
             if progress is not None:
                 progress(rep, i, per_mode)
-        for m in MODES:
+        for m in modes:
             runs[m].append(per_mode[m])
     return runs, outputs
 
@@ -98,6 +101,8 @@ def summarize(runs: dict, num_draft: int) -> dict:
         "mean_tokens_per_round": (decode_tokens - serial_in_spec) / rounds,
         "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tested)],
         "serial_step_ms": 1e3 * t_step,
+        "draft_cost": per_round["draft"] / t_step,          # c: a round's drafting, in steps
+        "verify_cost": per_round["verify"] / t_step,
         "round_ms": {k: 1e3 * v for k, v in per_round.items()},
         "overhead_ms_per_round": 1e3 * overhead,
         "overhead_share": overhead / per_round["round"],

@@ -17,6 +17,7 @@ import platform
 import sys
 import time
 
+from . import api
 from .cli_support import CommandError, flag_error, load_pair
 from .stats import format_positions
 
@@ -51,10 +52,35 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise CommandError("--plot needs matplotlib, which is not installed "
                                "(pip install matplotlib)") from None
+    names = args.drafter or [None]
+    if len(set(names)) != len(names):
+        twice = dict.fromkeys(n for n in names if names.count(n) > 1)
+        raise CommandError(f"--drafter: {', '.join(twice)} given twice")
+    num_drafts = list(dict.fromkeys(args.num_draft))
+    args.drafter = names[0]
     pair = load_pair(args)
     if pair.drafter is None:
         raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
     prompts = [(d, p) for d in domains for p in PROMPTS[d][:args.limit]]
+    if len(names) > 1 or len(num_drafts) > 1:
+        if args.plot:
+            raise CommandError("--plot draws one drafter at one --num-draft; drop it to "
+                               "compare several")
+        drafters = {_label(names[0], args): pair.drafter}
+        for name in names[1:]:
+            try:
+                drafters[_label(name, args)] = api.load_another_drafter(
+                    pair, name, demo=args.model is None, verify=args.verify)
+            except (OSError, ValueError) as e:
+                raise CommandError(" ".join(str(e).split())) from None
+        try:
+            report = compare(pair, drafters, num_drafts, prompts, args)
+        except ValueError as e:
+            raise flag_error(e) from None
+        report["model"] = args.model or "embedded demo target"
+        print(json.dumps(report, indent=1) if args.json else compare_table(report))
+        return 0
+    args.num_draft = num_drafts[0]
     try:
         report = measure(pair, prompts, args)
     except ValueError as e:      # a request the pair cannot serve (--num-draft beyond it)
@@ -86,14 +112,15 @@ def _domains(spec: str | None) -> list[str]:
 # Measuring
 
 
+def _ids(pair, domain, text) -> list[int]:
+    from .tokenizer import prompt_ids
+    chat = domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False)
+    return prompt_ids(pair.tokenizer, text, chat)
+
+
 def measure(pair, prompts, args) -> dict:
     from . import bench
     from .request import Request
-    from .tokenizer import prompt_ids
-
-    def ids(domain, text):
-        chat = domain in CHAT_DOMAINS and getattr(pair.tokenizer, "has_chat_template", False)
-        return prompt_ids(pair.tokenizer, text, chat)
 
     def once(prompt, mode, max_tokens, seed=0):
         # "auto" runs as successive generate() calls on one pair do: each starts from what
@@ -104,7 +131,7 @@ def measure(pair, prompts, args) -> dict:
         return bench.run_once(pair.target, pair.drafter, request,
                               home=pair if mode == "auto" else None)
 
-    encoded = [ids(d, t) for d, t in prompts]
+    encoded = [_ids(pair, d, t) for d, t in prompts]
     _progress("warming up")
     for mode in bench.MODES:
         once(encoded[0], mode, min(args.max_tokens, 16))
@@ -152,6 +179,146 @@ def measure(pair, prompts, args) -> dict:
             "memcpy_gb_per_s": memcpy_bandwidth() / 1e9,
         },
     }
+
+
+def _label(name, args) -> str:
+    import os
+    if name is None:
+        return "dspark" if args.model is None else "drafter"
+    return name if name in ("dspark", "mtp", "eagle3") else \
+        os.path.basename(os.path.normpath(str(name)))
+
+
+def probe_ms(target, drafter, prompt: list[int], n: int, repeats: int = 5) -> tuple:
+    """Median wall times (ms) of one evaluated ``propose(n)`` and of one verify of ``n + 1``
+    tokens, after ``prompt``, each alone. In a round the drafts are computed in one lazy graph
+    with the verify, so the round's clock cannot split the two."""
+    import statistics
+
+    import mlx.core as mx
+
+    from .session import Session
+    from .speculative import prefill
+
+    session = Session(target, drafter)
+    bonus = int(mx.argmax(prefill(session, prompt, tap=True)).item())
+    session.flush()
+    mx.eval(session.draft_cache.arrays())
+    state = session.cache.snapshot()
+    draft, verify = [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        tokens, _ = drafter.propose(bonus, n, cache=session.draft_cache)   # leaves the cache
+        mx.eval(tokens)
+        t1 = time.perf_counter()
+        block = mx.concatenate([mx.array([bonus], dtype=mx.int32), tokens])[None]
+        mx.eval(block)
+        t2 = time.perf_counter()
+        mx.eval(target.verify(block, session.cache, tap_layers=session.tap_layers))
+        t3 = time.perf_counter()
+        target.commit(session.cache, n + 1)
+        session.cache.restore(state)
+        draft.append(t1 - t0)
+        verify.append(t3 - t2)
+    return 1e3 * statistics.median(draft[1:]), 1e3 * statistics.median(verify[1:])
+
+
+def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
+    """Serial once, then every drafter at every draft length, speculative and "auto", on the
+    same prompts, interleaved per prompt. "auto" keeps one controller per drafter and length
+    (its break-even decision is the drafter's own)."""
+    from . import bench
+    from .request import Request
+    from .session import ControllerHome
+
+    keys = [(label, n) for label in drafters for n in num_drafts]
+    modes = ["serial"] + [f"{label}@{n}:{m}" for label, n in keys
+                          for m in ("speculative", "auto")]
+    homes = {key: ControllerHome() for key in keys}
+    encoded = [_ids(pair, d, t) for d, t in prompts]
+
+    def once(i, mode, max_tokens, seed=0):
+        drafter, home, n, spec = None, None, 1, "off"
+        if mode != "serial":
+            key, spec = mode.rsplit(":", 1)
+            label, n = key.rsplit("@", 1)
+            drafter, n, spec = drafters[label], int(n), bench.MODES[spec]
+            home = homes[(label, n)] if spec == "auto" else None
+        request = Request(encoded[i], max_tokens=max_tokens, temperature=args.temp,
+                          top_p=args.top_p, sampling=args.sampling, num_draft=n,
+                          speculative=spec, seed=seed)
+        return bench.run_once(pair.target, drafter, request, home=home)
+
+    _progress("warming up")
+    for mode in modes:
+        once(0, mode, min(args.max_tokens, 16))
+
+    def progress(rep, i, per_mode):
+        _progress(f"[{rep * len(prompts) + i + 1}/{args.repeats * len(prompts)}] "
+                  f"{prompts[i][0]:5} {_short(prompts[i][1]):32} " + ", ".join(
+                      f"{m.split(':')[0]} {per_mode[m][i].tokens_per_s:.1f}"
+                      for m in modes if not m.endswith(":auto")) + " tok/s")
+
+    runs, outputs = bench.measure(lambda i, m, seed: once(i, m, args.max_tokens, seed),
+                                  len(prompts), args.repeats, progress=progress, modes=modes)
+    _progress("timing each drafter's proposals and their verify alone")
+    probes = {(label, n): probe_ms(pair.target, drafters[label], encoded[0], n)
+              for label, n in keys}
+    results = []
+    groups = [(d, [i for i, (dd, _) in enumerate(prompts) if dd == d])
+              for d in dict.fromkeys(d for d, _ in prompts)]
+    for domain, which in groups + [("all", list(range(len(prompts))))]:
+        for label, n in keys:
+            key = f"{label}@{n}"
+            sub = {m: [[rep[i] for i in which] for rep in runs[src]]
+                   for m, src in (("serial", "serial"), ("speculative", f"{key}:speculative"),
+                                  ("auto", f"{key}:auto"))}
+            same = sum(outputs[i]["serial"] == outputs[i][f"{key}:speculative"]
+                       == outputs[i][f"{key}:auto"] for i in which)
+            r = bench.summarize(sub, n)
+            # c and the verify cost from the probes (a round computes both in one graph)
+            draft, verify = probes[(label, n)]
+            r["draft_cost"] = draft / r["serial_step_ms"]
+            r["verify_cost"] = verify / r["serial_step_ms"]
+            results.append({"domain": domain, "drafter": label, "num_draft": n,
+                            "prompts": len(which), "same_tokens": same,
+                            "draft_ms": draft, "verify_ms": verify, **r})
+    return {
+        "machine": machine(),
+        "settings": {"max_tokens": args.max_tokens, "num_draft": num_drafts,
+                     "repeats": args.repeats, "temperature": args.temp, "top_p": args.top_p,
+                     "sampling": args.sampling,
+                     "dtype": str(getattr(pair.target, "dtype", "")).replace("mlx.core.", "")},
+        "drafters": {label: getattr(d, "gate_report", None) for label, d in drafters.items()},
+        "results": results,
+    }
+
+
+def compare_table(report: dict) -> str:
+    m, s = report["machine"], report["settings"]
+    lines = [
+        f"mlx-dspark bench: {report['model']} with {', '.join(report['drafters'])}, "
+        f"{_sampling(s)}, {s['max_tokens']} tokens per prompt, {s['dtype']}, median of "
+        f"{s['repeats']}",
+        _machine_line(m),
+        "tau: tokens per round; c: a proposal, verify: a verify of N+1 tokens, each timed "
+        "alone, in serial steps; predicted: the cost model's speedup from the rounds' "
+        "measured parts",
+        "",
+        f"{'domain':7}{'drafter':>10}{'N':>3}{'serial':>9}{'spec.':>9}{'tau':>6}{'c':>6}"
+        f"{'verify':>7}{'predicted':>10}{'measured':>9}{'auto':>9}{'auto':>7}{'same':>6}",
+        f"{'':7}{'':>10}{'':>3}{'tok/s':>9}{'tok/s':>9}{'':>6}{'':>6}{'':>7}{'':>10}{'':>9}"
+        f"{'tok/s':>9}{'x':>7}{'':>6}",
+    ]
+    for r in report["results"]:
+        t = r["tokens_per_s"]
+        lines.append(
+            f"{r['domain']:7}{r['drafter'][-10:]:>10}{r['num_draft']:>3}{t['serial']:>9.1f}"
+            f"{t['speculative']:>9.1f}{r['mean_tokens_per_round']:>6.2f}{r['draft_cost']:>6.2f}"
+            f"{r['verify_cost']:>7.2f}{_x(r['predicted_speedup']):>10}{_x(r['speedup']):>9}"
+            f"{t['auto']:>9.1f}{_x(r['auto_vs_serial']):>7}"
+            f"{str(r['same_tokens']) + '/' + str(r['prompts']):>6}")
+    return "\n".join(lines)
 
 
 def weight_bytes_per_token(target) -> int:
@@ -207,8 +374,7 @@ def table(report: dict) -> str:
         f"mlx-dspark bench: {report['model']} + {report['drafter']}, {_sampling(s)}, "
         f"{s['max_tokens']} tokens per prompt, {s['num_draft']} drafts per round, "
         f"{s['dtype']}, median of {s['repeats']}",
-        f"machine: {m['system']} {m['machine']}, {m['cpu_count']} cores, MLX {m['mlx']} "
-        f"({m['device']})",
+        _machine_line(m),
         "",
         f"{'domain':8}{'prompts':>8}{'serial':>9}{'spec.':>9}{'speedup':>9}{'auto':>9}"
         f"{'speedup':>9}{'tokens':>8}  acceptance",
@@ -239,6 +405,11 @@ def table(report: dict) -> str:
         f"outputs identical in all three modes: {o['same_tokens']}/{o['prompts']} prompts",
     ]
     return "\n".join(lines)
+
+
+def _machine_line(m: dict) -> str:
+    return (f"machine: {m['system']} {m['machine']}, {m['cpu_count']} cores, MLX {m['mlx']} "
+            f"({m['device']})")
 
 
 def _sampling(settings: dict) -> str:

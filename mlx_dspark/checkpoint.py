@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from .converter.layout import GROUP_SIZE
 from .integrity import CheckpointError, checkpoint_files
-from .quant import ScaledLinear
+from .quant import DenseExperts, ScaledLinear
 
 
 def read_weights(path: str) -> tuple[dict, dict]:
@@ -39,7 +39,8 @@ _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
               "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
-              "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F8_E4M3": np.uint8}
+              "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F8_E4M3": np.uint8,
+              "BOOL": np.bool_}
 
 
 def read_raw_safetensors(f: str) -> dict:
@@ -94,34 +95,36 @@ def _same(want: np.ndarray, got: mx.array) -> bool:
     dtype than the file stores)."""
     if tuple(want.shape) != tuple(got.shape):
         return False
-    if want.dtype.kind in "ui":
+    if want.dtype.kind in "uib":
         return np.array_equal(np.array(got), want)
     want = mx.array(want).astype(got.dtype)
     return bool(mx.array_equal(want, got, equal_nan=True).item())
 
 
-def weight_gate(drafter: nn.Module, path: str) -> str:
-    """Compare every tensor of the checkpoint with what ``drafter`` holds; raise on any mismatch
+def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
+    """Compare every tensor of the checkpoint whose name starts with ``prefix`` (the drafter's
+    parameter names, ``prefix`` removed) with what ``drafter`` holds; raise on any mismatch
     or when nothing was comparable. Returns the report ``"k/k tensors match"``. A model that
     borrows its embedding has a ``shared_embedding()`` method returning the borrowed table."""
     stored = {}
     for f in checkpoint_files(path):
         for name, (st_dtype, arr) in read_raw_safetensors(f).items():
-            stored[name] = (f, st_dtype, arr)
+            if name.startswith(prefix):
+                stored[name[len(prefix):]] = (f, st_dtype, arr)
     params = dict(tree_flatten(drafter.parameters()))
     checks = []  # (checkpoint tensors, their values, model parameter)
     used = set()  # model parameters checked by a decoding rule
     absent = []  # model parameters with no counterpart in the checkpoint
-    for prefix, m in drafter.named_modules():
-        if not isinstance(m, ScaledLinear):
+    for module, m in drafter.named_modules():
+        if not isinstance(m, ScaledLinear) and not (isinstance(m, DenseExperts) and "scale" in m):
             continue
-        used |= {f"{prefix}.weight", f"{prefix}.scale"}
+        used |= {f"{module}.weight", f"{module}.scale"}
         # NVFP4 decoded at load (weight = e2m1 x e4m3, scale = ws2), or FP8 decoded at load
-        nvfp4 = f"{prefix}.scales" in stored
-        names = [f"{prefix}.weight", f"{prefix}.scales"] if nvfp4 else [f"{prefix}.weight"]
-        scale = f"{prefix}.weight_scale_2" if nvfp4 else f"{prefix}.weight_scale"
+        nvfp4 = f"{module}.scales" in stored
+        names = [f"{module}.weight", f"{module}.scales"] if nvfp4 else [f"{module}.weight"]
+        scale = f"{module}.weight_scale_2" if nvfp4 else f"{module}.weight_scale"
         if any(n not in stored for n in (*names, scale)):
-            absent.append(prefix)
+            absent.append(module)
             continue
         codes = stored[names[0]][2]
         want = _decode_nvfp4(codes, stored[names[1]][2]) if nvfp4 else _E4M3[codes]
@@ -146,9 +149,11 @@ def weight_gate(drafter: nn.Module, path: str) -> str:
         if want is not None and _same(want, got):
             matched += len(names)
         else:
-            bad.append(f"{'+'.join(names)} ({stored[names[0]][0]}): loaded values differ from the file")
-    bad += [f"{n} ({stored[n][0]}): not loaded into the drafter" for n in sorted(set(stored) - seen)]
-    bad += [f"{n}: in the drafter but not in the checkpoint" for n in absent]
+            bad.append(f"{'+'.join(prefix + n for n in names)} ({stored[names[0]][0]}): "
+                       f"loaded values differ from the file")
+    bad += [f"{prefix}{n} ({stored[n][0]}): not loaded into the drafter"
+            for n in sorted(set(stored) - seen)]
+    bad += [f"{prefix}{n}: in the drafter but not in the checkpoint" for n in absent]
     if matched == 0:
         raise CheckpointError(f"{path}: weight-load gate refused the drafter: no tensor could be "
                                f"compared with the checkpoint ({len(bad)} problem(s))")
@@ -156,6 +161,23 @@ def weight_gate(drafter: nn.Module, path: str) -> str:
         raise CheckpointError(f"{path}: weight-load gate refused the drafter: {len(bad)} problem(s): "
                                + "; ".join(bad[:5]))
     return f"{matched}/{len(stored)} tensors match"
+
+
+def through_gate(drafter: nn.Module, path: str, verbose: bool = False, prefix: str = ""):
+    """``drafter`` with its parameters evaluated and passed through :func:`weight_gate`
+    (``drafter.gate_report`` set; printed with ``verbose``)."""
+    mx.eval(drafter.parameters())
+    drafter.gate_report = weight_gate(drafter, path, prefix)
+    if verbose:
+        print(f"drafter {prefix + 'from ' if prefix else ''}{path}: {drafter.gate_report}")
+    return drafter
+
+
+def shared_embedding(target, vocab: int) -> mx.array:
+    """The target's embedding table, read through ``target.embed`` in chunks (what a drafter
+    that borrows it holds, for the gate)."""
+    return mx.concatenate([target.embed(mx.arange(s, min(s + 8192, vocab)))
+                           for s in range(0, vocab, 8192)])
 
 
 def _embedding_identical(own: mx.array, target) -> bool:

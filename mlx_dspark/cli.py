@@ -44,9 +44,11 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="the repo a local SRC was downloaded from, to check it against the pins")
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it holds a previous conversion")
-    p.add_argument("--keep-mtp", action="store_true",
-                   help="keep the target's native MTP tensors (mtp.*); dropped by default "
-                        "because the runtime drafts with DSpark")
+    p.add_argument("--no-mtp", dest="keep_mtp", action="store_false",
+                   help="drop the target's native MTP block (mtp.*); kept by default, for "
+                        "--drafter mtp")
+    p.add_argument("--keep-mtp", dest="keep_mtp", action="store_true", default=True,
+                   help=argparse.SUPPRESS)      # the old spelling; keeping is the default now
     p.add_argument("--pins", metavar="FILE",
                    help="pin file to check the source against (default: the packaged "
                         "MERERUN_CONVERSION.json)")

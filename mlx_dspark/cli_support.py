@@ -56,15 +56,21 @@ def utf8_text(text: str, what: str) -> str:
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, many_drafters: bool = False) -> None:
     p.add_argument("--model", metavar="DIR|REPO",
                    help="converted target directory, or the Hugging Face repo id of a ModelOpt "
                         "export, converted on first use into $MLX_DSPARK_CACHE "
                         "(~/.cache/mlx-dspark) and reused after (default: the embedded demo "
                         "pair, a small demonstration model, not Nemotron)")
-    p.add_argument("--drafter", metavar="DIR|REPO",
-                   help="converted DSpark drafter directory or repo id (default: the demo "
-                        "drafter without --model, no drafter with --model)")
+    p.add_argument("--drafter", metavar="mtp|DIR|REPO", action="append" if many_drafters
+                   else "store",
+                   help="mtp: the target's own MTP block; or a converted DSpark drafter or "
+                        "EAGLE-3 head (directory or repo id). Without --model: dspark "
+                        "(default), mtp or eagle3 name the demo drafters. With --model the "
+                        "default is no drafter"
+                        + ("; repeat it to compare drafters in one run (serial once, then "
+                           "each drafter at every --num-draft, interleaved per prompt)"
+                           if many_drafters else ""))
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the library's)")
     p.add_argument("--verify", choices=VERIFY_LEVELS, default="auto",
                    help="how much of the checkpoints to check against their conversion receipts "

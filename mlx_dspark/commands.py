@@ -214,12 +214,13 @@ BENCH_HELP = "serial vs speculative decoding on built-in code, math and chat pro
 
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_model_arguments(p, many_drafters=True)
     p.add_argument("-m", "--max-tokens", type=_at_least(4), default=64, metavar="N",
                    help="tokens generated per prompt and mode, at least 4 so that both modes "
                         "have steps to time (default 64)")
-    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
-                   help="tokens the drafter proposes per round (default 3)")
+    p.add_argument("--num-draft", type=_positive, nargs="+", default=[3], metavar="N",
+                   help="tokens the drafter proposes per round (default 3); several values "
+                        "sweep them in one run")
     p.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")

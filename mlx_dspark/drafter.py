@@ -26,7 +26,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import _embedding_identical, read_weights, weight_gate
+from .checkpoint import _embedding_identical, read_weights, shared_embedding, through_gate
 from .converter.layout import LAYOUT
 from .drafter_config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
 from .integrity import check_checkpoint
@@ -34,6 +34,7 @@ from .kernels.attention import sink_attention, window_mask
 from .kernels.norm import FUSED_ROWS, rms_norm
 from .quant import Weights
 from .sampling import constrain, gumbel_max
+from .session import OwnCache
 from .target import compute_dtype
 
 
@@ -162,7 +163,7 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1.weight[prev].astype(mx.float32))
 
 
-class Drafter(nn.Module):
+class Drafter(OwnCache, nn.Module):
     """Parameter names mirror the checkpoint's tensor names (the weight-load gate relies on it)."""
 
     def __init__(self, cfg: DrafterConfig, w: dict, target, dtype, share_embedding: bool,
@@ -184,7 +185,6 @@ class Drafter(nn.Module):
         # target is neither a parameter nor a child module of the drafter.
         object.__setattr__(self, "_target", target)
         self.gate_report = None
-        self._own = None          # the context of callers that use the drafter alone
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -216,41 +216,21 @@ class Drafter(nn.Module):
         cache.length = start
         return cache
 
-    def _cache(self, cache):
-        """``cache``, or the drafter's own for callers that use it alone (tests, the
-        contract in ARCHITECTURE.md, "The drafter"); the decode loop always passes a session's."""
-        if cache is not None:
-            return cache
-        if self._own is None:
-            self._own = self.make_cache()
-        return self._own
-
-    def reset(self):
-        """Forget the context of the drafter's own cache (sessions reset theirs)."""
-        self._own = None
-
     @property
     def length(self) -> int:
         """Context tokens in the drafter's own cache."""
         return self._cache(None).length
 
     def shared_embedding(self) -> mx.array:
-        """The target's embedding table, read through ``target.embed`` in chunks."""
-        v = self.config.vocab_size
-        rows = [self._target.embed(mx.arange(s, min(s + 8192, v))) for s in range(0, v, 8192)]
-        return mx.concatenate(rows)
+        return shared_embedding(self._target, self.config.vocab_size)
 
-    def add_context(self, taps: mx.array, start_pos: int, cache: "DrafterCache | None" = None):
+    def add_context(self, taps: mx.array, start_pos: int, cache: "DrafterCache | None" = None,
+                    tokens=None):
         """Commit taps ``[T, n_taps*hidden]`` of the tokens at positions start_pos.. to
-        ``cache`` (default: the drafter's own)."""
-        cache = self._cache(cache)
-        if start_pos != cache.length:
-            raise ValueError(f"add_context at position {start_pos}, but the drafter's cache "
-                             f"holds {cache.length} context tokens (contexts must be "
-                             f"contiguous)")
-        want = self.config.hidden_size * len(self.config.target_layer_ids)
-        if taps.ndim != 2 or taps.shape[1] != want:
-            raise ValueError(f"taps must be [T, {want}], got {tuple(taps.shape)}")
+        ``cache`` (default: the drafter's own). DSpark reads the taps alone (``tokens``
+        unused)."""
+        cache = self._context(cache, taps, start_pos, self.config.hidden_size
+                              * len(self.config.target_layer_ids), tokens=False)
         # Skip what no future query attends: a long prompt or serial stretch costs a window.
         keep = self.context_keep
         if keep and taps.shape[0] > keep:
@@ -403,8 +383,4 @@ def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
              or _embedding_identical(weights["embed_tokens.weight"], target))
     drafter = Drafter(cfg, weights, target, dtype, share, nvfp4)
     del weights
-    mx.eval(drafter.parameters())
-    drafter.gate_report = weight_gate(drafter, path)
-    if verbose:
-        print(f"drafter {path}: {drafter.gate_report}")
-    return drafter
+    return through_gate(drafter, path, verbose)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .converter.layout import mtp_pattern
 from .integrity import checkpoint_files
 from .quant import accumulation_dtype, on_gpu
 
@@ -49,9 +50,10 @@ def available_memory() -> tuple[int, str]:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
 
 
-def weight_bytes(path, dtype) -> tuple[int, int]:
+def weight_bytes(path, dtype, mtp: bool = False) -> tuple[int, int]:
     """(bytes the loaded tensors of a converted directory take in ``dtype``, the largest
-    original that a conversion briefly holds beside its converted copy)."""
+    original that a conversion briefly holds beside its converted copy). A target's native
+    MTP block (``mtp.*``) is read only as a drafter: counted only with ``mtp``."""
     from .converter.safetensors_io import ITEMSIZE, read_header
 
     compute = mx.finfo(dtype).bits // 8
@@ -61,6 +63,8 @@ def weight_bytes(path, dtype) -> tuple[int, int]:
         infos.update(read_header(Path(f)))
     total = largest = 0
     for name, t in infos.items():
+        if name.startswith("mtp.") and not mtp:
+            continue
         stored = ITEMSIZE[t.dtype]        # read_header refuses dtypes it does not know
         if name.endswith(_KEEP_STORED) or t.dtype in ("U32", "I32", "U64", "I64"):
             size = stored                              # packed NVFP4, embedding tables
@@ -108,7 +112,13 @@ def needed_bytes(model, drafter=None, dtype=mx.float32, context: int = DEFAULT_C
     weights, largest = weight_bytes(model, dtype)
     cfg = _config(model)
     caches = cache_bytes(cfg, context, dtype) if cfg.get("hybrid_override_pattern") else 0
-    if drafter is not None:
+    if drafter == "mtp":
+        # The target's own MTP block: its weights, and K/V for its attention layers.
+        dw, dl = weight_bytes(model, dtype, mtp=True)
+        weights, largest = dw, max(largest, dl)
+        pattern = mtp_pattern(cfg) if cfg.get("hybrid_override_pattern") else ""
+        caches += cache_bytes({**cfg, "hybrid_override_pattern": pattern}, context, dtype)
+    elif drafter is not None:
         dw, dl = weight_bytes(drafter, dtype)
         weights, largest = weights + dw, max(largest, dl)
         dcfg = _config(drafter)

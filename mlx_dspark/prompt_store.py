@@ -98,11 +98,32 @@ def _tensors(snap: Snapshot) -> tuple[dict, dict]:
     for j, x in enumerate(snap.pending):
         arrays[f"p.{j}"] = x
     if snap.drafter is not None:
-        length, dlayers = snap.drafter
-        layout["drafter"] = {"length": length, "layers": len(dlayers)}
-        for j, (k, v) in enumerate(dlayers):
-            arrays[f"d.{j}.k"], arrays[f"d.{j}.v"] = k, v
+        # Each drafter's cache has its own state (DSpark: length and K/V per layer; MTP and
+        # EAGLE-3 add the newest context row): stored as its nesting and its arrays in order.
+        flat = []
+        layout["drafter"] = {"tree": _flatten(snap.drafter, flat)}
+        for j, x in enumerate(flat):
+            arrays[f"d.{j}"] = x
     return arrays, layout
+
+
+def _flatten(tree, out: list):
+    """The JSON shape of a nest of tuples, ints, None and arrays; the arrays go to ``out``."""
+    if isinstance(tree, mx.array):
+        out.append(tree)
+        return "array"
+    if tree is None or isinstance(tree, int):
+        return tree
+    return [_flatten(t, out) for t in tree]
+
+
+def _unflatten(spec, arrays: dict, at: list):
+    if spec == "array":
+        at[0] += 1
+        return arrays[f"d.{at[0] - 1}"]
+    if spec is None or isinstance(spec, int):
+        return spec
+    return tuple(_unflatten(t, arrays, at) for t in spec)
 
 
 def _snapshot(arrays: dict, layout: dict) -> Snapshot:
@@ -118,9 +139,7 @@ def _snapshot(arrays: dict, layout: dict) -> Snapshot:
             layers.append(None if k is None else (k, v))
     drafter = None
     if layout["drafter"] is not None:
-        drafter = (layout["drafter"]["length"],
-                   tuple((arrays[f"d.{j}.k"], arrays[f"d.{j}.v"])
-                         for j in range(layout["drafter"]["layers"])))
+        drafter = _unflatten(layout["drafter"]["tree"], arrays, [0])
     pending = tuple(arrays[f"p.{j}"] for j in range(layout["pending"]))
     tokens = tuple(arrays["tokens"].tolist())
     snap = Snapshot(tokens, (layout["offset"], tuple(layers)), drafter, pending,

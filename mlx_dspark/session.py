@@ -57,7 +57,9 @@ class Drafter(Protocol):
     def make_cache(self, start: int = 0) -> Cache:
         """An empty context whose first token sits at ``start``."""
 
-    def add_context(self, taps: mx.array, start_pos: int, cache: Cache): ...
+    def add_context(self, taps: mx.array, start_pos: int, cache: Cache, tokens=None):
+        """Commit the taps of the ``tokens`` at positions start_pos.. (a drafter that pairs
+        each hidden state with the token after it, MTP or EAGLE-3, reads ``tokens``)."""
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None, cache: Cache = None,
@@ -67,6 +69,40 @@ class Drafter(Protocol):
         ``vocab`` on, and their logits. Under a grammar, ``constraint(j, prev)`` gives the
         allowed tokens of row j (after the draft ``prev``); each row is masked before it is
         drawn and returned masked."""
+
+
+class OwnCache:
+    """A drafter's cache of its own, for callers that use the drafter alone (tests, the contract
+    in ARCHITECTURE.md, "The drafter"); the decode loop always passes a session's."""
+
+    _own = None
+
+    def _cache(self, cache):
+        if cache is not None:
+            return cache
+        if self._own is None:
+            self._own = self.make_cache()
+        return self._own
+
+    def reset(self):
+        """Forget the context of the drafter's own cache (sessions reset theirs)."""
+        self._own = None
+
+    def _context(self, cache, taps, start_pos: int, width: int, tokens=None):
+        """The cache ``add_context`` writes (``cache`` or the drafter's own), after checking
+        that the taps ``[T, width]`` continue it (and that ``tokens``, when the drafter reads
+        them, are the T tokens of those rows)."""
+        cache = self._cache(cache)
+        if start_pos != cache.length:
+            raise ValueError(f"add_context at position {start_pos}, but the drafter's cache "
+                             f"holds {cache.length} context tokens (contexts must be "
+                             f"contiguous)")
+        if taps.ndim != 2 or taps.shape[1] != width:
+            raise ValueError(f"taps must be [T, {width}], got {tuple(taps.shape)}")
+        if tokens is not False and (tokens is None or len(tokens) != taps.shape[0]):
+            raise ValueError("this drafter pairs each context row with the token after it: "
+                             "pass the rows' tokens (tokens=)")
+        return cache
 
 
 @dataclass
@@ -151,7 +187,9 @@ class Session:
         if not self.pending:
             return 0
         taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
-        self.drafter.add_context(taps, self.pending_start, cache=self.draft_cache)
+        start = self.pending_start
+        self.drafter.add_context(taps, start, cache=self.draft_cache,
+                                 tokens=self.tokens[start:start + taps.shape[0]])
         self.pending, self.pending_rows = [], 0
         return taps.shape[0]
 

@@ -347,16 +347,20 @@ class MoE(nn.Module):
     def __init__(self, cfg: TargetConfig, w: Weights, p: str):
         super().__init__()
         self.cfg = cfg
-        self.router = w[f"{p}.gate.weight"].astype(mx.float32)
-        self.bias = w[f"{p}.gate.e_score_correction_bias"].astype(mx.float32)
-        self.up = w.experts(f"{p}.experts.up_proj")
-        self.down = w.experts(f"{p}.experts.down_proj")
-        self.shared = MLP(w, f"{p}.shared_experts")
+        # Named as the checkpoint names them (the weight-load gate of the MTP block relies on it)
+        self.gate = nn.Module()
+        self.gate.weight = w[f"{p}.gate.weight"].astype(mx.float32)
+        self.gate.e_score_correction_bias = w[f"{p}.gate.e_score_correction_bias"].astype(
+            mx.float32)
+        self.experts = nn.Module()
+        self.experts.up_proj = w.experts(f"{p}.experts.up_proj")
+        self.experts.down_proj = w.experts(f"{p}.experts.down_proj")
+        self.shared_experts = MLP(w, f"{p}.shared_experts")
 
     def route(self, x):
         c = self.cfg
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.router.T)
-        choice = scores + self.bias
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.gate.weight.T)
+        choice = scores + self.gate.e_score_correction_bias
         if c.n_group > 1:
             grouped = choice.reshape(*choice.shape[:-1], c.n_group, -1)
             gscore = mx.topk(grouped, 2, axis=-1).sum(axis=-1)
@@ -390,12 +394,12 @@ class MoE(nn.Module):
             ids = flat[order][:, None]
         else:
             xs, ids = xf, idx_f
-        y = self.down(nn.relu2(self.up(xs, ids, sort)), ids, sort)
+        y = self.experts.down_proj(nn.relu2(self.experts.up_proj(xs, ids, sort)), ids, sort)
         if sort:
             y = y[inv].reshape(*idx_f.shape, 1, -1)
         y = y.squeeze(-2).reshape(*idx.shape, -1)
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return y.reshape(shape) + self.shared(x)
+        return y.reshape(shape) + self.shared_experts(x)
 
 
 class Block(nn.Module):
@@ -556,11 +560,11 @@ def default_dtype():
     return mx.bfloat16 if on_gpu() else mx.float32
 
 
-def _stack_experts(w: dict, n_layers: int) -> dict:
+def stack_experts(w: dict, n_layers: int, layers: str = "backbone.layers") -> dict:
     """HF-format checkpoints keep one tensor set per expert; stack them on a leading axis
     (converted checkpoints arrive stacked already)."""
     for i in range(n_layers):
-        p = f"backbone.layers.{i}.mixer.experts"
+        p = f"{layers}.{i}.mixer.experts"
         for proj in ("up_proj", "down_proj"):
             if f"{p}.0.{proj}.weight" not in w:
                 if f"{p}.{proj}" in w:                    # transformers' in-memory name
@@ -622,7 +626,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
                          "run `mlx-dspark convert` on it first")
     check_checkpoint(path, verify, require_receipt="quantization" in raw)
     cfg = TargetConfig.from_dict(raw, cfg_path)
-    w = _stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
+    w = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
     w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
         model = NemotronH(cfg, w, dtype, nvfp4)
@@ -630,6 +634,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
         raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
     del w
     _materialize(model)
+    model.path = path          # where a drafter that lives in the target's files reads them
     return model
 
 

@@ -63,17 +63,27 @@ def write_tokenizer(out: Path) -> None:
     assert fast.convert_tokens_to_ids("<mask>") == MASK_ID
 
 
-def make_pair(root: Path, target: str = "target_w4a16") -> tuple[Path, Path]:
-    """Convert the fixture exports into ``root``; returns (target_dir, drafter_dir)."""
+def make_pair(root: Path, target: str = "target_w4a16", drafters: bool = False):
+    """Convert the fixture exports into ``root``; returns (target_dir, drafter_dir), and with
+    ``drafters`` also an EAGLE-3 head's dir, the target then carrying an MTP block (both
+    random, synthetic: mlx_dspark.testing.synthetic)."""
     from mlx_dspark.converter import convert
+    from mlx_dspark.testing.synthetic import add_mtp_block, synth_eagle3
 
     src = root / "src"
     shutil.copytree(FIXTURES / target, src)
     write_tokenizer(src)
+    if drafters:
+        add_mtp_block(src)
     convert(str(src), root / "target", progress=False)
     convert(str(FIXTURES / "drafter_nvfp4"), root / "drafter", progress=False)
     shutil.rmtree(src)
-    return root / "target", root / "drafter"
+    if not drafters:
+        return root / "target", root / "drafter"
+    synth_eagle3(root / "eagle3-src", vocab=VOCAB, aux=(2, 4, 8))
+    convert(str(root / "eagle3-src"), root / "eagle3", progress=False)
+    shutil.rmtree(root / "eagle3-src")
+    return root / "target", root / "drafter", root / "eagle3"
 
 
 if __name__ == "__main__":   # python tests/cli_pair.py DIR: a pair to try the commands on

@@ -53,7 +53,7 @@ def out_name(name: str):
 
 def quantized_modules(src: dict, dtype: str):
     return sorted(n[:-len(".weight")] for n, t in src.items()
-                  if n.endswith(".weight") and t[0] == dtype and not n.startswith("mtp."))
+                  if n.endswith(".weight") and t[0] == dtype)
 
 
 @pytest.mark.parametrize("algo", ["W4A16_NVFP4", "NVFP4", "MIXED_PRECISION", "drafter"])
@@ -117,7 +117,7 @@ def test_unquantized_tensors_keep_dtype_and_bytes(converted, algo):
     src, out = converted[algo]
     w = load_out(out)
     dense = [n for n, t in src.items() if t[0] in ("BF16", "F32") and not n.endswith("scale")
-             and not n.endswith("_scale_2") and not n.startswith("mtp.")]
+             and not n.endswith("_scale_2")]
     assert any(src[n][0] == "F32" for n in dense) or algo == "drafter"
     for n in dense:
         name, e = out_name(n)
@@ -139,22 +139,29 @@ def test_experts_stack_in_expert_order_with_per_expert_tensor_scales(converted):
 
 
 @pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
-def test_activation_and_kv_cache_scales_and_mtp_are_dropped(converted, algo):
+def test_activation_and_kv_cache_scales_are_dropped_and_mtp_is_kept(converted, algo):
     src, out = converted[algo]
     w = load_out(out)
     assert any(n.endswith(".input_scale") for n in src)
     assert not any(k.endswith((".input_scale", ".k_scale", ".v_scale")) for k in w)
-    assert any(n.startswith("mtp.") for n in src) and not any(k.startswith("mtp.") for k in w)
+    assert any(n.startswith("mtp.") for n in src)
+    assert "mtp.layers.1.mixer.experts.up_proj.weight" in w     # stacked like the backbone's
 
 
-def test_keep_mtp_keeps_the_native_mtp_block(converted, tmp_path):
-    src, _ = converted["W4A16_NVFP4"]
-    srcdir = converted["W4A16_NVFP4"][1].parent / "src-W4A16_NVFP4"
-    out = convert(str(srcdir), tmp_path / "o", keep_mtp=True, progress=False)
+def test_the_mtp_block_is_the_source_bytes_and_no_mtp_drops_it(converted, tmp_path):
+    src, out = converted["MIXED_PRECISION"]
     w = load_out(out)
     assert out_bytes(w["mtp.layers.0.eh_proj.weight"]) == src["mtp.layers.0.eh_proj.weight"][2]
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization"]["modules"]["mtp.layers.0.eh_proj"] == "nvfp4"
+    assert out_bytes(w["mtp.layers.0.mixer.q_proj.weight"]) == \
+        src["mtp.layers.0.mixer.q_proj.weight"][2]                           # FP8
+    modules = json.loads((out / "config.json").read_text())["quantization"]["modules"]
+    assert modules["mtp.layers.0.eh_proj"] == "nvfp4"
+    assert modules["mtp.layers.0.mixer.q_proj"] == "fp8"
+    srcdir = out.parent / "src-MIXED_PRECISION"
+    dropped = convert(str(srcdir), tmp_path / "o", keep_mtp=False, progress=False)
+    assert not any(k.startswith("mtp.") for k in load_out(dropped))
+    receipt = json.loads((dropped / "MERERUN_CONVERSION.json").read_text())
+    assert receipt["options"] == {"keep_mtp": False}
 
 
 def test_config_is_normalized_and_names_every_linear_module(converted):
@@ -284,3 +291,13 @@ def test_progress_bar_counts_every_tensor_byte_on_stderr(tmp_path, capsys):
     from tqdm import tqdm
     assert "convert: 100%" in err
     assert f"{tqdm.format_sizeof(total, divisor=1024)}/{tqdm.format_sizeof(total, divisor=1024)}" in err
+
+
+def test_the_cli_keeps_mtp_by_default_drops_it_with_no_mtp_and_still_takes_keep_mtp(tmp_path):
+    from mlx_dspark import cli
+    synth_target(tmp_path / "src", "W4A16_NVFP4")
+    for flags, kept in (([], True), (["--no-mtp"], False), (["--keep-mtp"], True)):
+        out = tmp_path / f"out{len(flags)}{kept}"
+        assert cli.main(["convert", str(tmp_path / "src"), "-o", str(out), "--no-progress",
+                         *flags]) == 0
+        assert any(k.startswith("mtp.") for k in load_out(out)) == kept

@@ -165,7 +165,7 @@ def test_malformed_receipt_is_one_line_naming_it(demo, capsys, outputs, message)
 def test_verify_command_reports_intact_or_names_the_changed_file(demo, capsys):
     assert cli.main(["verify", str(demo / "target")]) == 0
     out = capsys.readouterr().out
-    assert out == f"{demo / 'target'}: intact: 6 files, 5.2 MB match the conversion receipt (SHA-256)\n"
+    assert out == f"{demo / 'target'}: intact: 6 files, 7.3 MB match the conversion receipt (SHA-256)\n"
     flip(demo / "target" / "tokenizer.json", 100)
     assert cli.main(["verify", str(demo / "target")]) == 1
     err = capsys.readouterr().err

@@ -1,6 +1,8 @@
 """The memory pre-flight: a pair too large for the device is refused before loading, with
 what it needs, what there is and what to do; the estimate matches what loading takes."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -67,3 +69,21 @@ def test_caches_grow_with_context_for_attention_only():
     one, two = (memory.cache_bytes(cfg, n, mx.float32) for n in (1000, 2000))
     assert two - one == 1000 * 2 * 2 * 128 * 4          # K and V, 2 heads x 128, fp32
     assert one - 1000 * 2 * 2 * 128 * 4 == 4 * (64 * 64 * 128 + 3 * (4096 + 2 * 8 * 128))
+
+
+def test_the_mtp_block_counts_only_when_it_drafts(tmp_path):
+    from mlx_dspark.converter import convert
+    from mlx_dspark.mtp import load_mtp
+    from mlx_dspark.testing.synthetic import synth_target
+    synth_target(tmp_path / "src", "MIXED_PRECISION")
+    keep = convert(str(tmp_path / "src"), tmp_path / "keep", progress=False)
+    drop = convert(str(tmp_path / "src"), tmp_path / "drop", keep_mtp=False, progress=False)
+    assert memory.weight_bytes(keep, mx.float32) == memory.weight_bytes(drop, mx.float32)
+    serial, _ = memory.needed_bytes(keep, None, mx.float32)
+    with_mtp, _ = memory.needed_bytes(keep, "mtp", mx.float32)
+    block = load_mtp(load_target(str(keep), dtype=mx.float32))
+    loaded = sum(v.nbytes for _, v in tree_flatten(block.parameters()))
+    # the block's weights (estimated as loaded) and its attention layer's K/V
+    assert loaded <= with_mtp - serial <= loaded + memory.cache_bytes(
+        {**json.loads((keep / "config.json").read_text()), "hybrid_override_pattern": "*"},
+        memory.DEFAULT_CONTEXT, mx.float32) + 0.02 * loaded

@@ -6,7 +6,7 @@ much the target repeats itself: the share of distinct 4-grams in 128 greedy toke
 `mlx-dspark bench`'s code prompts (windows of real stdlib code score about 0.9).
 Speed comparisons are `mlx-dspark bench`'s job; this only counts. Runtime venv:
 
-    /work/venv/bin/python training/measure_pair.py [--max-tokens 64] [--pair DIR]
+    /work/venv/bin/python training/measure_pair.py [--max-tokens 64] [--pair DIR | --drafter mtp]
 """
 import argparse
 import json
@@ -70,13 +70,18 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pair", metavar="DIR", help="a folder holding target/ and drafter/ "
                     "(default: the embedded demo pair), e.g. an earlier pair from git history")
+    ap.add_argument("--drafter", default="dspark", metavar="NAME",
+                    help="which embedded demo drafter (dspark, mtp): tokens per round only")
     args = ap.parse_args()
-    pair = md.load(f"{args.pair}/target", f"{args.pair}/drafter") if args.pair else md.load()
+    pair = md.load(f"{args.pair}/target", f"{args.pair}/drafter") if args.pair else \
+        md.load(drafter=args.drafter)
     report = {}
     for name, sampling in (("greedy", {}), ("t1.0_p0.95", {"temperature": 1.0, "top_p": 0.95})):
         for group in ("code", "text"):
             report[f"{name}/{group}"] = pooled(pair, PROMPTS[group], args.max_tokens, **sampling)
             print(f"{name}/{group}", json.dumps(report[f"{name}/{group}"]), flush=True)
+    if args.drafter != "dspark":
+        return
     code = list(dict.fromkeys(BENCH_PROMPTS["code"] + PROMPTS["code"]))  # the bench's first
     runs = greedy_runs(pair, code)
     report["distinct_4grams/bench_code"] = repetition(runs[:len(BENCH_PROMPTS["code"])])

@@ -45,12 +45,12 @@ class OracleDrafter:
         cache.length = start
         return cache
 
-    def add_context(self, taps: mx.array, start_pos: int, cache: "OracleCache"):
+    def add_context(self, taps: mx.array, start_pos: int, cache: "OracleCache", tokens=None):
         if start_pos != cache.length:
             raise ValueError(f"add_context at {start_pos}, but {cache.length} tokens held")
         cache.length = start_pos + taps.shape[0]
         if self.inner is not None:
-            self.inner.add_context(taps, start_pos, cache.inner)
+            self.inner.add_context(taps, start_pos, cache.inner, tokens)
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise=None, cache: "OracleCache" = None, constraint=None,

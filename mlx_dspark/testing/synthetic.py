@@ -121,6 +121,7 @@ def read_raw_checkpoint(src: Path) -> dict:
 SENTINEL = "\u0000backbone.pt_name_sentinel"
 H, V, E = 64, 128, 4                       # hidden, vocab, routed experts
 TARGET_PATTERN = "MEM*E"
+MTP_PATTERN = "*E"
 BLOCK_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention"}
 
 
@@ -150,11 +151,59 @@ def _target_modules(pattern=TARGET_PATTERN):
             for n, o in (("q_proj", H), ("k_proj", 32), ("v_proj", 32), ("o_proj", H)):
                 lin[f"{p}.mixer.{n}"] = (o, H)
     lin["lm_head"] = (V, H)
-    lin["mtp.layers.0.eh_proj"] = (H, 2 * H)
     extra.update({"backbone.embeddings.weight": ("BF16", (V, H)),
-                  "backbone.norm_f.weight": ("BF16", (H,)),
-                  "mtp.layers.0.enorm.weight": ("BF16", (H,))})
+                  "backbone.norm_f.weight": ("BF16", (H,))})
+    mlin, mextra = mtp_modules(MTP_PATTERN, H, 4, 2, 16, E, 32, 32)
+    lin.update(mlin)
+    extra.update(mextra)
     return lin, extra
+
+
+def mtp_modules(pattern, hidden, heads, kv_heads, head_dim, experts, moe_inter, shared_inter):
+    """prefix -> (out, in) of the linear modules of a native MTP block in NVIDIA's layout (the
+    fusion on its first layer, final_layernorm on its last), and its other tensors."""
+    lin, extra = {}, {}
+    for i, c in enumerate(pattern):
+        p = f"mtp.layers.{i}"
+        extra[f"{p}.norm.weight"] = ("BF16", (hidden,))
+        if c == "E":
+            for e in range(experts):
+                lin[f"{p}.mixer.experts.{e}.up_proj"] = (moe_inter, hidden)
+                lin[f"{p}.mixer.experts.{e}.down_proj"] = (hidden, moe_inter)
+            lin[f"{p}.mixer.shared_experts.up_proj"] = (shared_inter, hidden)
+            lin[f"{p}.mixer.shared_experts.down_proj"] = (hidden, shared_inter)
+            extra[f"{p}.mixer.gate.weight"] = ("F32", (experts, hidden))
+            extra[f"{p}.mixer.gate.e_score_correction_bias"] = ("F32", (experts,))
+        else:
+            for n, o in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                         ("v_proj", kv_heads * head_dim)):
+                lin[f"{p}.mixer.{n}"] = (o, hidden)
+            lin[f"{p}.mixer.o_proj"] = (hidden, heads * head_dim)
+    lin["mtp.layers.0.eh_proj"] = (hidden, 2 * hidden)
+    extra.update({"mtp.layers.0.enorm.weight": ("BF16", (hidden,)),
+                  "mtp.layers.0.hnorm.weight": ("BF16", (hidden,)),
+                  f"mtp.layers.{len(pattern) - 1}.final_layernorm.weight": ("BF16", (hidden,))})
+    return lin, extra
+
+
+def add_mtp_block(src: Path, pattern="*E", seed=5) -> None:
+    """Give a single-file Nemotron-H export a BF16 MTP block (random weights) in a second
+    weight file, and the config fields that declare it."""
+    src = Path(src)
+    cfg = json.loads((src / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    lin, extra = mtp_modules(pattern, cfg["hidden_size"], cfg["num_attention_heads"],
+                             cfg["num_key_value_heads"], cfg["head_dim"],
+                             cfg["n_routed_experts"], cfg["moe_intermediate_size"],
+                             cfg["moe_shared_expert_intermediate_size"])
+    tensors = {}
+    for prefix, shape in lin.items():
+        _add_module(tensors, rng, prefix, shape, None, False)
+    for name, (dtype, shape) in extra.items():
+        _add_extra(tensors, rng, name, dtype, shape)
+    write_raw_safetensors(src / "model-mtp.safetensors", tensors, {"format": "pt"})
+    cfg.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern=pattern)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def _module_algo_target(algo: str, prefix: str):
@@ -163,7 +212,7 @@ def _module_algo_target(algo: str, prefix: str):
     if prefix == "lm_head" or ".layers.3." in prefix or "gate" in prefix:
         return None
     if algo == "MIXED_PRECISION":
-        if prefix.startswith("backbone.layers.0.mixer."):
+        if prefix.startswith(("backbone.layers.0.mixer.", "mtp.layers.0.mixer.")):
             return "FP8"
         if prefix.startswith("backbone.layers.2."):
             return None
@@ -260,6 +309,7 @@ def synth_target(path, algo="W4A16_NVFP4", *, shards=1, seed=0, edit=None) -> di
         "conv_kernel": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "n_routed_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "moe_shared_expert_intermediate_size": 32, "num_nextn_predict_layers": 1,
+        "mtp_hybrid_override_pattern": MTP_PATTERN,
         "time_step_limit": [0.0, {"__float__": "Infinity"}], "dtype": "bfloat16",
         "quantization_config": {"quant_method": "modelopt", **{k: v for k, v in quant.items()
                                                               if k != "exclude_modules"},
@@ -309,6 +359,46 @@ def synth_drafter(path, *, seed=1, prefix="", edit=None) -> dict:
                                 "group_size": 16,
                                 "ignore": ["embed_tokens", "layers.*.self_attn*",
                                            "markov_head.markov_w1"]},
+    }
+    if edit is not None:
+        edit(tensors, config, config["quantization_config"])
+    _write(Path(path), tensors, config, None, 1, rng)
+    return tensors
+
+
+def synth_eagle3(path, *, seed=2, draft_vocab=96, aux=(2, 3, 5), vocab=V, edit=None) -> dict:
+    """A tiny EAGLE-3 head for :func:`synth_target` in SpecForge's layout
+    (``LlamaForCausalLMEagle3``): BF16, the MLP in W4A16_NVFP4, a reduced draft vocabulary with
+    its ``d2t`` (I64) and ``t2d`` (BOOL) maps."""
+    rng = np.random.default_rng(seed)
+    heads, inter = 4, 128
+    lin = {"fc": (H, len(aux) * H), "lm_head": (draft_vocab, H),
+           "midlayer.self_attn.q_proj": (H, 2 * H), "midlayer.self_attn.k_proj": (32, 2 * H),
+           "midlayer.self_attn.v_proj": (32, 2 * H), "midlayer.self_attn.o_proj": (H, H)}
+    mlp = {"midlayer.mlp.gate_proj": (inter, H), "midlayer.mlp.up_proj": (inter, H),
+           "midlayer.mlp.down_proj": (H, inter)}
+    tensors = {}
+    for name, shape in lin.items():
+        _add_module(tensors, rng, name, shape, None, False)
+    for name, shape in mlp.items():
+        _add_module(tensors, rng, name, shape, "W4A16_NVFP4", False)
+    for n in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+              "midlayer.post_attention_layernorm", "norm"):
+        _add_extra(tensors, rng, f"{n}.weight", "BF16", (H,))
+    keep = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+    t2d = np.zeros(vocab, np.uint8)
+    t2d[keep] = 1
+    tensors["d2t"] = ("I64", (draft_vocab,), (keep - np.arange(draft_vocab)).astype("<i8").tobytes())
+    tensors["t2d"] = ("BOOL", (vocab,), t2d.tobytes())
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu", "target_hidden_size": H,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux),
+                         "use_aux_hidden_state": True},
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4",
+                                "group_size": 16, "ignore": ["fc", "lm_head", "midlayer.self_attn*"]},
     }
     if edit is not None:
         edit(tensors, config, config["quantization_config"])

@@ -105,3 +105,101 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
     drafter = D.Drafter(cfg, w, target, mx.float32, share_embedding=True)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def random_mtp_weights(target, pattern="*E", seed=0) -> dict:
+    """NVIDIA's ``mtp.*`` block for ``target`` at toy size, every weight random (dense
+    float32, experts stacked as the converter writes them)."""
+    c = target.config
+    h, hd = c.hidden_size, c.head_dim or c.hidden_size // c.num_attention_heads
+    mx.random.seed(seed)
+
+    def lin(out, inp):
+        return mx.random.normal((out, inp)) * inp ** -0.5
+
+    w = {}
+    for i, kind in enumerate(pattern):
+        p = f"mtp.layers.{i}"
+        w[f"{p}.norm.weight"] = 1.0 + 0.2 * mx.random.normal((h,))
+        if kind == "*":
+            w[f"{p}.mixer.q_proj.weight"] = lin(c.num_attention_heads * hd, h)
+            w[f"{p}.mixer.k_proj.weight"] = lin(c.num_key_value_heads * hd, h)
+            w[f"{p}.mixer.v_proj.weight"] = lin(c.num_key_value_heads * hd, h)
+            w[f"{p}.mixer.o_proj.weight"] = lin(h, c.num_attention_heads * hd)
+        else:
+            e, m, s = c.n_routed_experts, c.moe_intermediate_size, \
+                c.moe_shared_expert_intermediate_size
+            w[f"{p}.mixer.gate.weight"] = mx.random.normal((e, h)) * h ** -0.5
+            w[f"{p}.mixer.gate.e_score_correction_bias"] = 0.3 * mx.random.normal((e,))
+            w[f"{p}.mixer.experts.up_proj.weight"] = mx.random.normal((e, m, h)) * h ** -0.5
+            w[f"{p}.mixer.experts.down_proj.weight"] = mx.random.normal((e, h, m)) * m ** -0.5
+            w[f"{p}.mixer.shared_experts.up_proj.weight"] = lin(s, h)
+            w[f"{p}.mixer.shared_experts.down_proj.weight"] = lin(h, s)
+    w["mtp.layers.0.enorm.weight"] = 1.0 + 0.2 * mx.random.normal((h,))
+    w["mtp.layers.0.hnorm.weight"] = 1.0 + 0.2 * mx.random.normal((h,))
+    w["mtp.layers.0.eh_proj.weight"] = lin(h, 2 * h)
+    w[f"mtp.layers.{len(pattern) - 1}.final_layernorm.weight"] = \
+        1.0 + 0.2 * mx.random.normal((h,))
+    mx.eval(w)
+    return w
+
+
+def random_mtp(target, pattern="*E", seed=0):
+    """The MTP drafter over :func:`random_mtp_weights` (a useless drafter)."""
+    from ..mtp import MTPDrafter
+    drafter = MTPDrafter(target, random_mtp_weights(target, pattern, seed), pattern)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def random_eagle3_weights(target, draft_vocab=48, aux=(1, 3, 5), seed=0,
+                          own_embedding=False) -> tuple[dict, dict]:
+    """An EAGLE-3 head for ``target`` in SpecForge's layout at toy size, every weight random
+    (dense float32), its draft vocabulary a random sorted subset of the target's; returns
+    (weights, config.json fields)."""
+    import numpy as np
+    c = target.config
+    h, v = c.hidden_size, c.vocab_size
+    heads, kv, hd, inter = 4, 2, 16, 2 * h
+    mx.random.seed(seed)
+
+    def lin(out, inp):
+        return mx.random.normal((out, inp)) * inp ** -0.5
+
+    keep = np.sort(np.random.default_rng(seed).choice(v, draft_vocab, replace=False))
+    t2d = np.zeros(v, bool)
+    t2d[keep] = True
+    w = {"fc.weight": lin(h, len(aux) * h), "norm.weight": 1 + 0.2 * mx.random.normal((h,)),
+         "lm_head.weight": lin(draft_vocab, h),
+         "d2t": mx.array(keep - np.arange(draft_vocab), dtype=mx.int64),
+         "t2d": mx.array(t2d)}
+    m = "midlayer"
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"{m}.{n}.weight"] = 1 + 0.2 * mx.random.normal((h,))
+    w.update({f"{m}.self_attn.q_proj.weight": lin(heads * hd, 2 * h),
+              f"{m}.self_attn.k_proj.weight": lin(kv * hd, 2 * h),
+              f"{m}.self_attn.v_proj.weight": lin(kv * hd, 2 * h),
+              f"{m}.self_attn.o_proj.weight": lin(h, heads * hd),
+              f"{m}.mlp.gate_proj.weight": lin(inter, h), f"{m}.mlp.up_proj.weight": lin(inter, h),
+              f"{m}.mlp.down_proj.weight": lin(h, inter)})
+    if own_embedding:
+        w["embed_tokens.weight"] = mx.random.normal((v, h))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+              "vocab_size": v, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "hidden_act": "silu", "target_hidden_size": h,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux],
+                               "use_aux_hidden_state": True}}
+    mx.eval(w)
+    return w, config
+
+
+def random_eagle3(target, **kw):
+    """The EAGLE-3 drafter over :func:`random_eagle3_weights` (a useless drafter)."""
+    from ..eagle3 import Eagle3Drafter, parse_config
+    w, config = random_eagle3_weights(target, **kw)
+    cfg = parse_config(config, "toy", target.config.num_hidden_layers)
+    drafter = Eagle3Drafter(cfg, w, target, mx.float32, "embed_tokens.weight" not in w)
+    mx.eval(drafter.parameters())
+    return drafter
