@@ -56,3 +56,22 @@ def test_a_session_snapshot_restores_every_drafters_context(target, drafter):
     first = list(decode(session, follow))
     session.restore(snap)
     assert list(decode(session, follow)) == first
+
+
+def test_every_drafters_context_survives_the_prompt_stores_disk_format(target, drafter):
+    import json
+
+    import mlx.core as mx
+
+    from mlx_dspark.prompt_store import _snapshot, _tensors
+    session = Session(target, drafter)
+    list(decode(session, Request(PROMPTS[0], max_tokens=6, num_draft=3, speculative="on")))
+    session.flush()
+    snap = session.snapshot()
+    arrays, layout = _tensors(snap)
+    back = _snapshot(arrays, json.loads(json.dumps(layout)))    # layout goes through JSON
+    follow = Request(session.tokens + [7], max_tokens=8, num_draft=3, speculative="on")
+    first = list(decode(session, follow))
+    session.restore(back)
+    assert list(decode(session, follow)) == first
+    assert all(isinstance(x, mx.array) for x in arrays.values())
