@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         twice = dict.fromkeys(n for n in names if names.count(n) > 1)
         raise CommandError(f"--drafter: {', '.join(twice)} given twice")
     num_drafts = list(dict.fromkeys(args.num_draft))
-    args.drafter = names[0]
+    args.drafter, args.num_draft = names[0], max(num_drafts)   # what load_pair warms up
     pair = load_pair(args)
     if pair.drafter is None:
         raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
