@@ -98,3 +98,11 @@ def test_the_demo_mtp_and_eagle3_drafters_are_accepted_often_on_code(other32):
     spec = md.generate(other32[1], PROMPTS["code"][0], max_tokens=48, speculative=True,
                        num_draft=1)
     assert spec.stats["acceptance_by_position"][0] > 0.25
+
+
+def test_the_demo_mtp_and_eagle3_drafters_draft_under_a_grammar(other32):
+    pair = other32[1]
+    ask = dict(max_tokens=24, response_format={"type": "json_object"}, chat=True)
+    spec = md.generate(pair, "Give me a JSON object with a key x.", speculative=True, **ask)
+    serial = md.generate(pair, "Give me a JSON object with a key x.", speculative=False, **ask)
+    assert spec.tokens == serial.tokens and spec.stats.rounds > 0 and spec.text.startswith("{")
