@@ -269,7 +269,8 @@ class Eagle3Drafter(OwnCache, nn.Module):
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None,
-                cache: "Eagle3Cache | None" = None, constraint=None):
+                cache: "Eagle3Cache | None" = None, constraint=None,
+                vocab: int | None = None):
         """Draft ``n`` tokens after ``bonus``: lazy ``tokens [n]`` and the target-vocabulary
         ``logits [n, V]`` each was drawn from."""
         cache = self._cache(cache)
@@ -286,7 +287,7 @@ class Eagle3Drafter(OwnCache, nn.Module):
             if constraint is not None:        # a grammar: the allowed tokens after ``token``
                 z = constrain(z, constraint(j, token))
             noise_j = None if noise is None else noise[j:j + 1]
-            token = gumbel_max(z, temperature, top_p, top_k, noise_j).astype(mx.int32)
+            token = gumbel_max(z, temperature, top_p, top_k, noise_j, vocab).astype(mx.int32)
             tokens.append(token)
             logits.append(z)
         cache.kv.offset = mark                      # the drafts' own rows are scratch

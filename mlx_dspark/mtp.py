@@ -121,7 +121,8 @@ class MTPDrafter(OwnCache, nn.Module):
 
     def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, noise: mx.array | None = None,
-                cache: "MTPCache | None" = None, constraint=None):
+                cache: "MTPCache | None" = None, constraint=None,
+                vocab: int | None = None):
         """Draft ``n`` tokens after ``bonus`` (the token after the context): lazy ``tokens
         [n]`` and the ``logits [n, V]`` each was drawn from (``sampling.gumbel_max``)."""
         cache = self._cache(cache)
@@ -138,7 +139,7 @@ class MTPDrafter(OwnCache, nn.Module):
             if constraint is not None:        # a grammar: the allowed tokens after ``token``
                 z = constrain(z, constraint(j, token))
             g = None if noise is None else noise[j:j + 1]
-            token = gumbel_max(z, temperature, top_p, top_k, g).astype(mx.int32)
+            token = gumbel_max(z, temperature, top_p, top_k, g, vocab).astype(mx.int32)
             tokens.append(token)
             logits.append(z)
         for kv, mark in zip(cache.layers, marks):    # the drafts' own rows are scratch
