@@ -175,10 +175,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                                 f"goes with the demo target only; pass the converted "
                                 f"drafter's directory")
     check_level(verify)
-    for name, what in ((model, "model"), (drafter, "drafter")):
-        if name is not None and name != "mtp" and not model_cache.is_repo_id(name) \
-                and not Path(name).expanduser().is_dir():
-            raise FileNotFoundError(f"{name}: no such {what} directory")
+    check_sources(model, drafter)
     dtype = compute_dtype(dtype)
     model = model_cache.resolve(model)
     if drafter is not None and drafter != "mtp":
@@ -254,6 +251,17 @@ def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
             raise FileNotFoundError(f"{name}: no such drafter directory")
         name = model_cache.resolve(name)
     return load_drafter(name, pair.target, verify=verify)
+
+
+def check_sources(model, drafter=None) -> None:
+    """FileNotFoundError naming a ``model`` or ``drafter`` that is neither a directory nor a
+    repo id: a check that reads nothing, made before anything slower (a port, a download)."""
+    from . import model_cache
+
+    for name, what in ((model, "model"), (drafter, "drafter")):
+        if name is not None and name != "mtp" and not model_cache.is_repo_id(name) \
+                and not Path(name).expanduser().is_dir():
+            raise FileNotFoundError(f"{name}: no such {what} directory")
 
 
 def demo_drafter(name):

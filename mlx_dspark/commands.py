@@ -379,6 +379,7 @@ def prompt_store_factory(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from . import api
     from .chat_template import check_template_variables
     from .connections import Limits
     from .engine import Engine
@@ -397,6 +398,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and args.api_key is None:
         print(f"mlx-dspark serve: warning: listening on {args.host} without --api-key: anyone "
               f"who can reach this machine can use the model", file=sys.stderr)
+    try:
+        api.check_sources(args.model)       # a wrong path is named before the port is tried
+    except FileNotFoundError as e:
+        print(f"mlx-dspark serve: error: {e}", file=sys.stderr)
+        return 1
     try:
         sock = listen(args.host, args.port)     # before loading: a busy port costs nothing
     except OSError as e:

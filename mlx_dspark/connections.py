@@ -6,10 +6,16 @@ request: a client that trickles a header byte by byte holds its connection, and 
 of them exhausted the file descriptors. Here a connection has ``read_timeout`` seconds to send
 a whole request, and when ``max_connections`` are open a new one makes room by closing the
 connection that has been sending its request the longest: a client that sends its request at
-once is answered however many slow ones are open."""
+once is answered however many slow ones are open.
+
+When ``accept()`` still finds no descriptor left, asyncio stops accepting for a second and
+reports it with a traceback; :func:`out_of_files_handler` makes that one warning line and
+closes the slowest senders, so the retry finds room."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import h11
@@ -29,6 +35,15 @@ def protocol(limits: Limits) -> type:
     reading: dict = {}      # connections still sending their request, oldest first -> timer
 
     class Guarded(H11Protocol):
+        @staticmethod
+        def make_room(n: int) -> int:
+            """Close up to ``n`` of the connections that have been sending their request the
+            longest; returns how many were closed."""
+            oldest = list(reading)[:n]
+            for c in oldest:
+                c._drop()
+            return len(oldest)
+
         def connection_made(self, transport):
             super().connection_made(transport)
             self._arm()
@@ -64,3 +79,27 @@ def protocol(limits: Limits) -> type:
                 self.transport.close()
 
     return Guarded
+
+
+OUT_OF_FILES = "socket.accept() out of system resource"
+log = logging.getLogger("mlx_dspark.serve")
+
+
+def out_of_files_handler(guarded: type, room: int, quiet_s: float = 10.0):
+    """An asyncio exception handler (``loop.set_exception_handler``) for a server whose
+    protocol is ``guarded``: asyncio has already paused accepting when it calls this for an
+    exhausted descriptor table; close ``room`` slow senders and say so once per ``quiet_s``.
+    Anything else goes to asyncio's default handler."""
+    said = [float("-inf")]
+
+    def handler(loop, context):
+        if context.get("message") != OUT_OF_FILES:
+            loop.default_exception_handler(context)
+            return
+        closed = guarded.make_room(room)
+        if time.monotonic() - said[0] >= quiet_s:
+            said[0] = time.monotonic()
+            log.warning("out of file descriptors (%s): accepting paused for a second, %d slow "
+                        "connections closed", context.get("exception"), closed)
+
+    return handler

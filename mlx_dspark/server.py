@@ -40,7 +40,8 @@ from .request import RequestError as RequestValueError
 from .tokenizer import chat_ids, message_boundaries, prompt_ids
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
-FILES_RESERVED = 128    # descriptors kept for the process itself (weights, logs, pipes)
+FILES_RESERVED = 64     # descriptors kept for files the process opens later (snapshots, logs)
+ACCEPT_BATCH = 64       # connections asyncio accepts in one go, before any of them is seen
 ENCODERS = 2            # prompts tokenized at once (each takes memory in proportion to its text)
 
 
@@ -353,30 +354,37 @@ def serve(engine: Engine, model_id, sock, api_key: str | None,
     closes the connections and the engine thread ends."""
     import uvicorn
 
-    from .connections import protocol
+    from .connections import out_of_files_handler, protocol
 
     limits = limits or Limits()
-    # Descriptors for every connection plus the process's own files, as far as the hard
-    # limit allows; fewer connections when it allows less.
-    room = open_files.raise_limit(limits.max_connections + FILES_RESERVED) - FILES_RESERVED
+    # Descriptors for every connection, plus those the process holds already and a batch of
+    # accepts in flight, as far as the hard limit allows; fewer connections when it allows less.
+    reserve = open_files.in_use() + ACCEPT_BATCH + FILES_RESERVED
+    room = open_files.raise_limit(limits.max_connections + reserve) - reserve
     if room < limits.max_connections:
         log.warning("the open-file limit allows %d connections, not %d", room,
                     limits.max_connections)
         limits = dataclasses.replace(limits, max_connections=max(room, 1))
+    guarded = protocol(limits)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             engine.cancel_all("the server is shutting down")
             super().handle_exit(sig, frame)
 
+        async def serve(self, sockets=None):
+            asyncio.get_running_loop().set_exception_handler(
+                out_of_files_handler(guarded, ACCEPT_BATCH))
+            await super().serve(sockets)
+
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, exposure),
-                            host=host, port=port, http=protocol(limits),
+                            host=host, port=port, http=guarded,
                             limit_concurrency=limits.max_connections + 1,
                             # asyncio accepts up to a backlog of connections before any of
                             # them is seen: within the reserve, so accepting never hits the
                             # open-file limit before the oldest slow ones are closed
-                            backlog=FILES_RESERVED // 2,
+                            backlog=ACCEPT_BATCH,
                             timeout_keep_alive=limits.idle_timeout, log_level="info",
                             timeout_graceful_shutdown=5)
     Server(config).run(sockets=[sock])

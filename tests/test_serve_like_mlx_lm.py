@@ -108,17 +108,26 @@ def _serve(*argv, timeout=60):
 
 
 @pytest.mark.slow
-def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tmp_path):
+def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        # a model that does not exist: the port is refused first, so nothing was loaded
-        out = _serve("--port", str(port), "--model", str(tmp_path / "nothing"))
+        out = _serve("--port", str(port))       # the demo pair: refused before it loads
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr == (f"mlx-dspark serve: error: cannot listen on 127.0.0.1:{port}: "
                           f"Address already in use (another server there? pick another "
                           f"--port)\n")
+
+
+@pytest.mark.slow
+def test_a_wrong_model_path_is_named_before_a_busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = _serve("--port", str(s.getsockname()[1]), "--model", "/nonexistent/model")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == "mlx-dspark serve: error: /nonexistent/model: no such model directory\n"
 
 
 @pytest.mark.slow
