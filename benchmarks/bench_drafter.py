@@ -4,7 +4,7 @@
 
 The drafter is NVIDIA's DSpark shape (hidden 2688, 6 layers, 32/2 heads x 128, MLP 6144,
 vocab 131072, Markov rank 512; fc, MLP and markov_w2 NVFP4, the rest BF16) with random
-weights. The target is a real-width Nemotron-H slice built from mlx_dspark.target's classes
+weights. The target is a real-width Nemotron-H slice built from mlx_dspark.models.nemotron_h's classes
 with random weights: one Mamba-2, one MoE and one attention block (Nemotron 3 Nano 30B-A3B
 sizes: Mamba 64x64 heads, state 128, 8 groups; 128 experts of 1856, top 6, shared expert
 3712; attention 32/2 x 128; NVFP4 Mamba projections and experts, BF16 attention, embedding
@@ -27,9 +27,9 @@ import time
 
 import mlx.core as mx
 
-from mlx_dspark.drafter import Drafter
-from mlx_dspark.drafter_config import parse_config
-from mlx_dspark.target import NemotronH, TargetConfig
+from mlx_dspark.drafters.dspark import Drafter
+from mlx_dspark.drafters.config import parse_config
+from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 
 PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # docs/design.md §5
 H, V = 2688, 131072

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_dspark.converter import convert
-from mlx_dspark.integrity import receipt_outputs, verify_outputs
+from mlx_dspark.checkpoint.integrity import receipt_outputs, verify_outputs
 from mlx_dspark.testing.synthetic import H, synth_target
 
 
@@ -52,7 +52,7 @@ def main() -> int:
     p.add_argument("--keep", action="store_true")
     args = p.parse_args()
     import mlx.core as mx
-    from mlx_dspark.target import load_target
+    from mlx_dspark.models.nemotron_h import load_target
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -18,7 +18,7 @@ import sys
 
 import mlx.core as mx
 
-from mlx_dspark.bench import format_rows
+from mlx_dspark.cli.measure import format_rows
 from mlx_dspark.testing.compare import compare
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.testing.toy import random_drafter, tiny_target

@@ -116,7 +116,7 @@ def part_demo(a):
     workdir = tempfile.mkdtemp(prefix="bench-prompt-cache-")
     modes = {"off": ["--prefix-cache-mb", "0"], "memory": [],
              "disk": ["--prompt-cache-dir", os.path.join(workdir, "cache")]}
-    from mlx_dspark.tokenizer import _encode
+    from mlx_dspark.text.tokenizer import _encode
     n = len(_encode(pair.tokenizer, pair.tokenizer.apply_chat_template(
         prefix, tokenize=False, add_generation_prompt=False)))
     report = {"prefix_tokens": n, "requests": a.requests, "modes": {}}
@@ -208,16 +208,16 @@ def hostile(messages, cache_dir, cold_answer):
 
 def _pair(path):
     from mlx_dspark import api
-    from mlx_dspark.prompt_store import receipt_hash
-    from mlx_dspark.target import load_target
+    from mlx_dspark.prompt_cache.disk import receipt_hash
+    from mlx_dspark.models.nemotron_h import load_target
     return api.Pair(load_target(path), receipts=(receipt_hash(path), None))
 
 
 def part_realwidth(a):
     import mlx.core as mx
     from mlx_dspark import api
-    from mlx_dspark.prompt_cache import PromptCache
-    from mlx_dspark.prompt_store import open_store
+    from mlx_dspark.prompt_cache.cache import PromptCache
+    from mlx_dspark.prompt_cache.disk import open_store
     from mlx_dspark.request import Request
 
     pair = _pair(a.path)
@@ -268,8 +268,8 @@ def _r(rows):
 
 def part_cost(a):
     import mlx.core as mx
-    from mlx_dspark.prompt_store import identity, read_snapshot, write_snapshot
-    from mlx_dspark.speculative import prefill
+    from mlx_dspark.prompt_cache.disk import identity, read_snapshot, write_snapshot
+    from mlx_dspark.decode.loop import prefill
 
     pair = _pair(a.path)
     ident = identity("bench", None, pair.target.dtype, pair.target.config.hybrid_override_pattern)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from mlx_dspark.integrity import checkpoint_files
+from mlx_dspark.checkpoint.integrity import checkpoint_files
 
 GIB = 1 << 30
 
@@ -39,7 +39,7 @@ def _load(path, dtype):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dspark.target import load_target
+    from mlx_dspark.models.nemotron_h import load_target
     rss0 = peak_rss()
     t0 = time.perf_counter()
     model = load_target(path, dtype=getattr(mx, dtype))
@@ -96,7 +96,7 @@ def _median_time(fn, reps):
 def part_decode(a):
     import mlx.core as mx
 
-    from mlx_dspark.target import MoE
+    from mlx_dspark.models.nemotron_h import MoE
     model, r = _load(a.path, a.dtype)
     cache = model.make_cache()
     toks = mx.random.randint(0, model.config.vocab_size, (1, 40), key=mx.random.key(0))
@@ -144,8 +144,8 @@ def part_experts(a):
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from mlx_dspark import target as T
-    from mlx_dspark.tokenizer import load_tokenizer
+    from mlx_dspark.models import nemotron_h as T
+    from mlx_dspark.text.tokenizer import load_tokenizer
 
     model = T.load_target(a.path, dtype=mx.float32)
     toks = load_tokenizer(a.path).encode(inspect.getsource(inspect))[:a.tokens]

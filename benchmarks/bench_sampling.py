@@ -16,8 +16,8 @@ import argparse
 import json
 import sys
 
-from mlx_dspark.bench_cli import PROMPTS, measure
-from mlx_dspark.cli_support import load_pair
+from mlx_dspark.cli.bench import PROMPTS, measure
+from mlx_dspark.cli.common import load_pair
 
 SCHEMES = ("reproducible", "rejection")
 

@@ -24,9 +24,10 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark import target as T
-from mlx_dspark.quant import NVFP4_POLICY, on_gpu
-from mlx_dspark.target import NemotronH, TargetConfig
+from mlx_dspark.models import nemotron_h as T
+from mlx_dspark.device import on_gpu
+from mlx_dspark.models.quant import NVFP4_POLICY
+from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 
 # hidden 2688, 64x64 Mamba heads, state 128, 128 experts top-6 (Nemotron 3 30B-A3B widths)
 REAL = dict(vocab_size=131072, hidden_size=2688, num_attention_heads=32,

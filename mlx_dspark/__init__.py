@@ -5,8 +5,8 @@ Public names are imported lazily so that ``mlx-dspark convert`` starts without l
 _PUBLIC = {
     "load": "api", "generate": "api", "stream_generate": "api",
     "Pair": "api", "Result": "api", "Chunk": "api",
-    "load_target": "target", "load_drafter": "drafters",
-    "Request": "request", "Session": "session", "Stats": "stats",
+    "load_target": "models.nemotron_h", "load_drafter": "drafters",
+    "Request": "request", "Session": "decode.session", "Stats": "stats",
 }
 
 __version__ = "0.1.0"       # pyproject.toml's version (tests/test_habits.py keeps them equal)

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .chat_template import check_template_variables
-from .integrity import check_level
-from . import reasoning
+from .checkpoint.integrity import check_level
+from .decode.session import Session
 from .request import Request, RequestError, Thinking, speculative_mode, split_stops
-from .session import Session
 from .stats import Stats, format_stats
-from .tokenizer import load_tokenizer, prompt_ids
+from .text import reasoning
+from .text.chat_template import check_template_variables
+from .text.tokenizer import load_tokenizer, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
 
@@ -141,7 +141,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
     GPU, fp32 on the CPU). ``model``: a local directory of a converted target, or the Hugging
-    Face repo id of a ModelOpt export, converted on first use into the cache (model_cache.py);
+    Face repo id of a ModelOpt export, converted on first use into the cache (checkpoint/hub.py);
     a local directory wins over a repo id of the same spelling. ``drafter``: ``"mtp"`` (the
     target's own MTP block, kept by ``convert`` unless ``--no-mtp``), or a converted DSpark
     drafter or EAGLE-3 head (a directory or repo id; which one its config.json says).
@@ -161,11 +161,11 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     memory (``prompt_cache_mb``) and in this directory (``prompt_cache_disk_gb``, least
     recently used first out), so a long shared prefix is prefilled once, across restarts
     (docs/prompt-cache.md)."""
-    from . import model_cache
+    from .checkpoint import hub
+    from .checkpoint.memory import check_fits
     from .drafters import load_drafter
-    from .memory import check_fits
-    from .prompt_store import receipt_hash
-    from .target import compute_dtype, load_target, read_target_config
+    from .models.nemotron_h import compute_dtype, load_target, read_target_config
+    from .prompt_cache.disk import receipt_hash
 
     if model is None:
         model = DEMO / "target"
@@ -177,9 +177,9 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     check_level(verify)
     check_sources(model, drafter)
     dtype = compute_dtype(dtype)
-    model = model_cache.resolve(model)
+    model = hub.resolve(model)
     if drafter is not None and drafter != "mtp":
-        drafter = model_cache.resolve(drafter)
+        drafter = hub.resolve(drafter)
     read_target_config(model)     # a drafter or another architecture: said before anything
     if memory_check:
         check_fits(model, drafter, dtype)
@@ -191,8 +191,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 receipts=(receipt_hash(model), f"mtp:{receipt_hash(model)}" if drafter == "mtp"
                           else receipt_hash(drafter)))
     if prompt_cache_dir is not None:
-        from .prompt_cache import PromptCache
-        from .prompt_store import open_store
+        from .prompt_cache.cache import PromptCache
+        from .prompt_cache.disk import open_store
         store = open_store(prompt_cache_dir, pair, pair.drafter is not None,
                            int(prompt_cache_disk_gb * 1e9))
         pair.prompt_cache = PromptCache(prompt_cache_mb << 20, store)
@@ -208,7 +208,7 @@ def warm_up(pair: Pair, num_draft: int = 3):
     once); done here, that cost never lands in a generation's timings or in the
     break-even controller's estimates. Forced modes: the pair's learned controller is not
     touched."""
-    from .speculative import decode
+    from .decode.loop import decode
 
     prompt = [0, 1]
     modes = ["off"] if pair.drafter is None else ["off", "on"]
@@ -227,7 +227,7 @@ def kernel_cache_cold() -> bool:
     import tempfile
 
     import mlx.core as mx
-    from .quant import on_gpu
+    from .device import on_gpu
 
     if on_gpu():
         return False
@@ -238,7 +238,7 @@ def kernel_cache_cold() -> bool:
 def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
     """One more drafter for ``pair``'s target (``bench --drafter A --drafter B``), named as
     :func:`load` names one (``demo``: the pair is the embedded demo pair)."""
-    from . import model_cache
+    from .checkpoint import hub
     from .drafters import load_drafter
 
     if demo:
@@ -247,19 +247,19 @@ def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
         raise FileNotFoundError(f"--drafter {name} names an embedded demo drafter, which goes "
                                 f"with the demo target only; pass the drafter's directory")
     if name != "mtp":
-        if not model_cache.is_repo_id(name) and not Path(name).expanduser().is_dir():
+        if not hub.is_repo_id(name) and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such drafter directory")
-        name = model_cache.resolve(name)
+        name = hub.resolve(name)
     return load_drafter(name, pair.target, verify=verify)
 
 
 def check_sources(model, drafter=None) -> None:
     """FileNotFoundError naming a ``model`` or ``drafter`` that is neither a directory nor a
     repo id: a check that reads nothing, made before anything slower (a port, a download)."""
-    from . import model_cache
+    from .checkpoint import hub
 
     for name, what in ((model, "model"), (drafter, "drafter")):
-        if name is not None and name != "mtp" and not model_cache.is_repo_id(name) \
+        if name is not None and name != "mtp" and not hub.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
 
@@ -333,7 +333,7 @@ def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
     thinking block when the prompt opens one (the reasoning stays free)."""
     if response_format is None and grammar is None:
         return None
-    from . import grammar as grammars
+    from .decode import grammar as grammars
     if response_format is not None and grammar is not None:
         raise RequestError("grammar", "give response_format or grammar, not both")
     chosen = grammars.response_format(response_format) if response_format is not None \
@@ -388,7 +388,7 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     the block itself and the model answers.
 
     ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"schema": ...}}``) or ``grammar`` (a :mod:`mlx_dspark.grammar` Grammar,
+    "json_schema": {"schema": ...}}``) or ``grammar`` (a :mod:`mlx_dspark.decode.grammar` Grammar,
     such as ``grammar.tool_calls(tools)``, or a JSON schema dict) constrain the output: every
     token follows the grammar, in serial and speculative decoding alike (docs/grammar.md).
 
@@ -414,7 +414,7 @@ def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chu
     boundaries = ()
     if session is None and pair.prompt_cache is not None and isinstance(prompt, list) \
             and prompt and all(isinstance(m, dict) for m in prompt):
-        from .tokenizer import message_boundaries
+        from .text.tokenizer import message_boundaries
         boundaries = message_boundaries(pair.tokenizer, prompt,
                                         options.get("chat_template_kwargs") or {},
                                         list(request.prompt))
@@ -426,7 +426,7 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
     """The chunks of ``request`` decoded on ``session`` (None: a session of its own, without
     the drafter when the request never speculates, or continued from the pair's prompt cache
     when it has one; ``boundaries``: where the prompt's chat messages end, checkpoints)."""
-    from .speculative import decode
+    from .decode.loop import decode
 
     if session is None and pair.prompt_cache is not None:
         return _cached(pair, request, boundaries)

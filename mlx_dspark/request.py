@@ -103,7 +103,7 @@ class Request:
     the reply thinks before the engine closes the block itself (None: no cap; without
     ``thinking`` there is nothing to cap). ``vocab_limit``: ids at or above it are never
     drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
-    when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.grammar.Grammar`
+    when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.decode.grammar.Grammar`
     bound to the tokenizer (api.make_request binds it) that every emitted token must follow;
     stop tokens then end a run only where the grammar is complete."""
 
@@ -153,10 +153,10 @@ class Request:
             raise RequestError("stop", "stop token ids must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise RequestError("stop", "stop strings must be non-empty strings")
-        # a grammar.Grammar (not imported: grammar.py imports this module)
+        # a grammar.Grammar (not imported: decode/grammar.py imports this module)
         if self.grammar is not None and not isinstance(getattr(self.grammar, "source", None),
                                                        str):
-            raise RequestError("grammar", f"grammar must be a mlx_dspark.grammar.Grammar, "
+            raise RequestError("grammar", f"grammar must be a mlx_dspark.decode.grammar.Grammar, "
                                           f"not {type(self.grammar).__name__}")
         budget = self.thinking_token_budget
         if budget is not None and (not _integer(budget) or budget < 0):

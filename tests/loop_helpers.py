@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_dspark.controller import Controller
+from mlx_dspark.decode.controller import Controller
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 
 
 def serial_greedy(target, prompt, max_tokens) -> list[int]:
@@ -17,7 +17,7 @@ def serial_greedy(target, prompt, max_tokens) -> list[int]:
 
 
 def sampler_fields(sampler) -> dict:
-    """A :class:`~mlx_dspark.sampling.Sampler`'s settings as :class:`Request` fields."""
+    """A :class:`~mlx_dspark.decode.sampling.Sampler`'s settings as :class:`Request` fields."""
     return dict(temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
                 sampling=sampler.scheme)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
-from mlx_dspark.target import NemotronH, TargetConfig
+from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
 
 

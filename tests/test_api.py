@@ -8,8 +8,8 @@ import mlx_dspark as md
 from cli_pair import make_pair
 from loop_helpers import FixedCosts
 from mlx_dspark.request import Request, RequestError
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_dspark import api
 from mlx_dspark.request import RequestError
-from mlx_dspark.speculative import StaleGenerator
+from mlx_dspark.decode.loop import StaleGenerator
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.chat_template import TemplateTimeout, check_template_variables, render
+from mlx_dspark.text.chat_template import TemplateTimeout, check_template_variables, render
 from mlx_dspark.request import RequestError
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

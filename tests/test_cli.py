@@ -350,12 +350,12 @@ def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer(pair_dirs):
-    from mlx_dspark.tokenizer import load_tokenizer
+    from mlx_dspark.text.tokenizer import load_tokenizer
     return load_tokenizer(pair_dirs[0])
 
 
 def test_next_turn_prompt_extends_the_previous_ids_exactly(tokenizer):
-    from mlx_dspark.chat import Conversation
+    from mlx_dspark.cli.chat import Conversation
 
     conv = Conversation(tokenizer, {})
     first = conv.prompt("What is the capital of France?")
@@ -371,8 +371,8 @@ def test_next_turn_prompt_extends_the_previous_ids_exactly(tokenizer):
 
 
 def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
-    from mlx_dspark.chat import Conversation
-    from mlx_dspark.tokenizer import template_options
+    from mlx_dspark.cli.chat import Conversation
+    from mlx_dspark.text.tokenizer import template_options
 
     on, off = template_options(tokenizer, "on"), template_options(tokenizer, "off")
     assert on == {"enable_thinking": True} and off == {"enable_thinking": False}
@@ -387,8 +387,8 @@ def test_reasoning_switch_reaches_the_template(tokenizer, capsys):
 
 
 def test_api_and_cli_share_one_chat_encoder_with_template_options(tokenizer):
-    from mlx_dspark.chat import Conversation
-    from mlx_dspark.tokenizer import prompt_ids
+    from mlx_dspark.cli.chat import Conversation
+    from mlx_dspark.text.tokenizer import prompt_ids
 
     off = {"enable_thinking": False}
     ids = prompt_ids(tokenizer, "Hi", chat=True, options=off)      # what stream_generate uses
@@ -398,7 +398,7 @@ def test_api_and_cli_share_one_chat_encoder_with_template_options(tokenizer):
 
 
 def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):
-    from mlx_dspark.chat import _read_block
+    from mlx_dspark.cli.chat import _read_block
 
     lines = iter(["def f(x):", "    return x", '"""'])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))

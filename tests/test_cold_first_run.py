@@ -11,7 +11,7 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark import api, cli
-from mlx_dspark.target import NemotronH
+from mlx_dspark.models.nemotron_h import NemotronH
 
 
 @pytest.fixture

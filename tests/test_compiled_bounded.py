@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.drafter import DRAW_SETTINGS
+from mlx_dspark.drafters.dspark import DRAW_SETTINGS
 from mlx_dspark.kernels import mamba as K
 from mlx_dspark.kernels.norm import FUSED_ROWS
 

@@ -12,7 +12,7 @@ import time
 
 CHILD = textwrap.dedent("""
     import asyncio, logging, os, resource, sys
-    from mlx_dspark.connections import Limits, out_of_files_handler, protocol
+    from mlx_dspark.serve.connections import Limits, out_of_files_handler, protocol
     from mlx_dspark import open_files
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(message)s")
 

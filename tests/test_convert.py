@@ -14,7 +14,7 @@ import safetensors
 
 from mlx_dspark.testing.synthetic import E4M3, nvfp4_dequantize, synth_drafter, synth_target
 from mlx_dspark.converter import convert
-from mlx_dspark.quant import make_linear
+from mlx_dspark.models.quant import make_linear
 
 ALGOS = ["W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION"]
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")

@@ -76,8 +76,8 @@ def other32(request):
 
 
 def test_the_demo_mtp_and_eagle3_drafters_are_gated(other32):
-    from mlx_dspark.eagle3 import Eagle3Drafter
-    from mlx_dspark.mtp import MTPDrafter
+    from mlx_dspark.drafters.eagle3 import Eagle3Drafter
+    from mlx_dspark.drafters.mtp import MTPDrafter
     name, pair = other32
     assert isinstance(pair.drafter, {"mtp": MTPDrafter, "eagle3": Eagle3Drafter}[name])
     matched, total = pair.drafter.gate_report.split()[0].split("/")

@@ -12,10 +12,10 @@ import pytest
 
 from fixtures.drafter import tiny
 
-import mlx_dspark.drafter as dr
-from mlx_dspark.checkpoint import weight_gate
-from mlx_dspark.drafter import load_drafter
-from mlx_dspark.drafter_config import DrafterError, parse_config
+import mlx_dspark.drafters.dspark as dr
+from mlx_dspark.models.weights import weight_gate
+from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters.config import DrafterError, parse_config
 
 # The fields of NVIDIA's released config.json (docs/design.md §6), tensors aside.
 NVIDIA = {

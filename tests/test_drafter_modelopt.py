@@ -12,8 +12,8 @@ import pytest
 from reference_drafter import ReferenceDrafter, dense_weight, read_safetensors
 
 from mlx_dspark.converter.convert import convert
-from mlx_dspark.drafter import load_drafter
-from mlx_dspark.target import load_target
+from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.models.nemotron_h import load_target
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 FP32_TOL = 1e-5  # measured 4.1e-7 (packed) / 5.3e-7 (decoded): max |z - z_ref| / max |z_ref|

@@ -1,4 +1,4 @@
-"""The drafter fed by a real (tiny) Nemotron-H target from mlx_dspark.target: taps from
+"""The drafter fed by a real (tiny) Nemotron-H target from mlx_dspark.models.nemotron_h: taps from
 ``step``/``verify``, the target's embedding and lm_head borrowed, rounds committed as the loop
 does; every proposal checked against the float64 reference."""
 
@@ -10,9 +10,9 @@ from fixtures.drafter import tiny
 from reference_drafter import ReferenceDrafter, read_safetensors
 from target_helpers import quantize_like_modelopt
 
-from mlx_dspark.drafter import load_drafter
-from mlx_dspark.drafter_config import DrafterError
-from mlx_dspark.target import NemotronH, TargetConfig
+from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters.config import DrafterError
+from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 FP32_TOL = 1e-5  # as in test_drafter.py

@@ -7,8 +7,8 @@ import pytest
 
 from loop_helpers import serial_greedy
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
 
@@ -63,7 +63,7 @@ def test_every_drafters_context_survives_the_prompt_stores_disk_format(target, d
 
     import mlx.core as mx
 
-    from mlx_dspark.prompt_store import _snapshot, _tensors
+    from mlx_dspark.prompt_cache.disk import _snapshot, _tensors
     session = Session(target, drafter)
     list(decode(session, Request(PROMPTS[0], max_tokens=6, num_draft=3, speculative="on")))
     session.flush()

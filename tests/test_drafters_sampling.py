@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
 from test_sampling_acceptance import chi2_pvalue
 

@@ -13,13 +13,13 @@ import pytest
 
 import reference_eagle3 as R
 from loop_helpers import serial_greedy
-from mlx_dspark.checkpoint import CheckpointError
+from mlx_dspark.models.weights import CheckpointError
 from mlx_dspark.drafters import load_drafter
-from mlx_dspark.eagle3 import Eagle3Drafter, parse_config
+from mlx_dspark.drafters.eagle3 import Eagle3Drafter, parse_config
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
-from mlx_dspark.target import load_target
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
+from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.testing.toy import random_eagle3_weights, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2]
@@ -141,7 +141,7 @@ def test_a_head_for_another_target_or_of_another_kind_is_refused_naming_why(
 
 
 def test_a_head_whose_weights_differ_from_the_file_is_refused_by_the_gate(converted):
-    from mlx_dspark.checkpoint import weight_gate
+    from mlx_dspark.models.weights import weight_gate
     _, tdir, hdir = converted
     d = load_drafter(str(hdir), load_target(str(tdir)))
     d.midlayer.hidden_norm.weight = d.midlayer.hidden_norm.weight * 2
@@ -152,7 +152,7 @@ def test_a_head_whose_weights_differ_from_the_file_is_refused_by_the_gate(conver
 def test_load_picks_each_drafter_by_name_or_config(converted, monkeypatch):
     import mlx_dspark as md
     from mlx_dspark import api
-    from mlx_dspark.mtp import MTPDrafter
+    from mlx_dspark.drafters.mtp import MTPDrafter
     _, tdir, hdir = converted
     monkeypatch.setattr(api, "load_tokenizer", lambda *a: None)   # synthetic: no real one
     assert isinstance(md.load(str(tdir), "mtp").drafter, MTPDrafter)

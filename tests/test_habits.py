@@ -13,8 +13,8 @@ import pytest
 import mlx_dspark as md
 from mlx_dspark import cli
 from mlx_dspark.request import Request, RequestError
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):\n"
@@ -81,7 +81,7 @@ def test_generate_puts_the_system_prompt_before_the_user_message(pair, capsys, f
 
 
 def test_chat_takes_system_prompt_and_its_old_spelling(pair):
-    from mlx_dspark.chat import Chat
+    from mlx_dspark.cli.chat import Chat
     for flag in ("--system-prompt", "--system"):
         args = cli.build_parser().parse_args(["chat", flag, "Be brief."])
         conversation = Chat(pair, args).conversation

@@ -19,12 +19,13 @@ import pytest
 from fixtures.drafter import tiny
 
 import mlx_dspark as md
-from mlx_dspark import cli, integrity
+from mlx_dspark import cli
+from mlx_dspark.checkpoint import integrity
 from mlx_dspark.api import DEMO
 from mlx_dspark.converter.layout import BlockHash
-from mlx_dspark.drafter import load_drafter
-from mlx_dspark.integrity import CheckpointError
-from mlx_dspark.target import load_target
+from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.checkpoint.integrity import CheckpointError
+from mlx_dspark.models.nemotron_h import load_target
 
 RECEIPT = "MERERUN_CONVERSION.json"
 

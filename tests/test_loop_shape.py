@@ -8,11 +8,11 @@ import mlx.core as mx
 import pytest
 
 from loop_helpers import sampler_fields
-from mlx_dspark import speculative
+from mlx_dspark.decode import loop as speculative
 from mlx_dspark.request import Request
-from mlx_dspark.sampling import Noise, Sampler
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.sampling import Noise, Sampler
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.toy import random_drafter, tiny_target
 

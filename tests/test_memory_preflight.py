@@ -8,8 +8,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_dspark as md
-from mlx_dspark import api, cli, memory
-from mlx_dspark.target import load_target
+from mlx_dspark import api, cli
+from mlx_dspark.checkpoint import memory
+from mlx_dspark.models.nemotron_h import load_target
 
 TARGET, DRAFTER = api.DEMO / "target", api.DEMO / "drafter"
 
@@ -28,7 +29,7 @@ def test_estimated_weights_match_what_loading_takes(dtype):
 
 def test_a_pair_over_budget_is_refused_before_loading(monkeypatch):
     _budget(monkeypatch, 1_000_000)
-    monkeypatch.setattr("mlx_dspark.target.load_target", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr("mlx_dspark.models.nemotron_h.load_target", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(memory.InsufficientMemory) as e:
         md.load(TARGET, DRAFTER, dtype=mx.float32)
     need, _ = memory.needed_bytes(TARGET, DRAFTER, mx.float32)
@@ -73,7 +74,7 @@ def test_caches_grow_with_context_for_attention_only():
 
 def test_the_mtp_block_counts_only_when_it_drafts(tmp_path):
     from mlx_dspark.converter import convert
-    from mlx_dspark.mtp import load_mtp
+    from mlx_dspark.drafters.mtp import load_mtp
     from mlx_dspark.testing.synthetic import synth_target
     synth_target(tmp_path / "src", "MIXED_PRECISION")
     keep = convert(str(tmp_path / "src"), tmp_path / "keep", progress=False)

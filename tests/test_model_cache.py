@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark import model_cache
+from mlx_dspark.checkpoint import hub as model_cache
 from cli_pair import FIXTURES, write_tokenizer
 from mlx_dspark.converter import hub
 from mlx_dspark.converter.errors import ConversionError

@@ -6,7 +6,7 @@ import pytest
 from target_helpers import twin_models
 
 from mlx_dspark import api
-from mlx_dspark.target import MoE, load_target
+from mlx_dspark.models.nemotron_h import MoE, load_target
 from mlx_dspark.testing.toy import tiny_config
 
 
@@ -36,7 +36,7 @@ def test_grouped_experts_equal_the_plain_path_on_float_experts(monkeypatch):
 def test_the_threshold_decides_which_steps_group_experts(monkeypatch, least, verify_sorted):
     """2 (Metal's default): every verify groups; 11 (the CPU's): a 4-token verify does not.
     A single token never does."""
-    from mlx_dspark.quant import DenseExperts
+    from mlx_dspark.models.quant import DenseExperts
     monkeypatch.setattr(MoE, "sort_min_tokens", least)
     seen = []
     real = DenseExperts.__call__

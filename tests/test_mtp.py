@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import reference_mtp as R
-from mlx_dspark.checkpoint import CheckpointError
-from mlx_dspark.mtp import load_mtp
+from mlx_dspark.models.weights import CheckpointError
+from mlx_dspark.drafters.mtp import load_mtp
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
-from mlx_dspark.target import load_target
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
+from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.testing.toy import random_mtp_weights, tiny_target
 
 PATTERN = "*E"
@@ -32,7 +32,7 @@ def weights(target):
 
 @pytest.fixture(scope="module")
 def drafter(target, weights):
-    from mlx_dspark.mtp import MTPDrafter
+    from mlx_dspark.drafters.mtp import MTPDrafter
     d = MTPDrafter(target, weights, PATTERN)
     mx.eval(d.parameters())
     return d
@@ -124,7 +124,7 @@ def test_an_mtp_tensor_that_differs_from_the_file_is_refused_by_the_gate(convert
     target = load_target(str(converted_targets[0]))
     d = load_mtp(target)
     d.layers[0].hnorm.weight = d.layers[0].hnorm.weight + 1
-    from mlx_dspark.checkpoint import weight_gate
+    from mlx_dspark.models.weights import weight_gate
     with pytest.raises(CheckpointError, match="mtp.layers.0.hnorm.weight.*differ"):
         weight_gate(d, str(converted_targets[0]), "mtp.")
 

@@ -15,9 +15,9 @@ import mlx_dspark as md
 from mlx_dspark import cli
 from mlx_dspark.converter.convert import convert
 from mlx_dspark.request import NonFiniteLogits, Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
-from mlx_dspark.target import NemotronH, load_target
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
+from mlx_dspark.models.nemotron_h import NemotronH, load_target
 
 FIX = Path(__file__).parent / "fixtures"
 PROMPT = "def is_prime(n):"
@@ -111,8 +111,8 @@ def test_the_command_line_says_so_in_one_line_and_exits_1(monkeypatch, capsys):
 
 def test_float16_models_keep_fp8_weights_decoded_in_float32_and_the_preflight_counts_it(
         tmp_path):
-    from mlx_dspark.memory import weight_bytes
-    from mlx_dspark.quant import ScaledLinear
+    from mlx_dspark.checkpoint.memory import weight_bytes
+    from mlx_dspark.models.quant import ScaledLinear
 
     path = convert(str(FIX / "modelopt" / "target_mixed"), tmp_path / "mixed", progress=False)
     model = load_target(str(path), dtype=mx.float16)

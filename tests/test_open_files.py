@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-READ = ("import resource, mlx_dspark.api, mlx_dspark.tokenizer; "
+READ = ("import resource, mlx_dspark.api, mlx_dspark.text.tokenizer; "
         "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
 
 

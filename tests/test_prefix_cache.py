@@ -12,9 +12,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_dspark import api
-from mlx_dspark.prefix_cache import PrefixCache
-from mlx_dspark.target import KVCache
-from mlx_dspark.tokenizer import prompt_ids
+from mlx_dspark.prompt_cache.memory import PrefixCache
+from mlx_dspark.models.nemotron_h import KVCache
+from mlx_dspark.text.tokenizer import prompt_ids
 
 
 @pytest.fixture(scope="module")

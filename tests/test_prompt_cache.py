@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.prompt_cache import PromptCache
-from mlx_dspark.prompt_store import PromptStore, identity, open_store
-from mlx_dspark.speculative import prefill
+from mlx_dspark.prompt_cache.cache import PromptCache
+from mlx_dspark.prompt_cache.disk import PromptStore, identity, open_store
+from mlx_dspark.decode.loop import prefill
 from mlx_dspark.testing import spoil as spoil_ways
-from mlx_dspark.tokenizer import message_boundaries, prompt_ids
+from mlx_dspark.text.tokenizer import message_boundaries, prompt_ids
 
 SYSTEM = {"role": "system", "content": "You write Python for a data team. " + " ".join(
     f"def helper_{i}(rows): return [r for r in rows if r > {i}]" for i in range(20))}

@@ -5,9 +5,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.quant import (DenseExperts, NVFP4Experts, NVFP4Linear, ScaledLinear,
-                              dequantize_nvfp4,
-                              make_experts, make_linear)
+from mlx_dspark.models.quant import (DenseExperts, NVFP4Experts, NVFP4Linear, ScaledLinear,
+                                     dequantize_nvfp4, make_experts, make_linear)
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 

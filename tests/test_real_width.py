@@ -12,9 +12,9 @@ from target_helpers import mlx_lm_from_hf_weights
 from test_target import _state
 
 from mlx_dspark.converter.convert import convert
-from mlx_dspark.testing.synthetic import (E4M3, lightning_config, nvfp4_dequantize, read_raw_checkpoint,
-                                  synth_lightning)
-from mlx_dspark.target import load_target
+from mlx_dspark.testing.synthetic import (E4M3, lightning_config, nvfp4_dequantize,
+                                          read_raw_checkpoint, synth_lightning)
+from mlx_dspark.models.nemotron_h import load_target
 
 # a real-width Lightning-shaped checkpoint: the slow lane
 pytestmark = pytest.mark.slow

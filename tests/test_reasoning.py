@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark import reasoning
+from mlx_dspark.text import reasoning
 from mlx_dspark.api import Pair
 from mlx_dspark.request import Request, RequestError, Thinking
 from mlx_dspark.testing.scripted import ScriptedTarget

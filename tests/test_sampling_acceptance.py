@@ -18,9 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark import sampling
-from mlx_dspark.sampling import Noise, Sampler
-from mlx_dspark.speculative import accept
+from mlx_dspark.decode import sampling
+from mlx_dspark.decode.sampling import Noise, Sampler
+from mlx_dspark.decode.loop import accept
 
 V, N, DRAWS = 5, 2, 2000
 rng = np.random.default_rng(0)

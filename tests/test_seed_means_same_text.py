@@ -66,8 +66,8 @@ def test_the_command_line_gives_the_same_text_in_every_mode_for_a_seed(capsys):
 def test_a_seeded_server_request_under_auto_is_the_serial_text(pair):
     from starlette.testclient import TestClient
 
-    from mlx_dspark.engine import Engine
-    from mlx_dspark.server import create_app
+    from mlx_dspark.serve.engine import Engine
+    from mlx_dspark.serve.app import create_app
 
     engine = Engine(lambda: pair, max_queue=2, cache_bytes=0)
     engine.start()

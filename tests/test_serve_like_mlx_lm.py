@@ -17,9 +17,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlx_dspark import api, cli
-from mlx_dspark.commands import model_names, serve_defaults
-from mlx_dspark.engine import Engine
-from mlx_dspark.server import create_app
+from mlx_dspark.cli.commands import model_names, serve_defaults
+from mlx_dspark.serve.engine import Engine
+from mlx_dspark.serve.app import create_app
 from mlx_dspark.testing.server import launch
 
 DEMO = Path(api.__file__).parent / "demo"

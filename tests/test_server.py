@@ -19,7 +19,7 @@ import pytest
 
 from mlx_dspark import api
 from mlx_dspark.testing.server import launch, stop
-from mlx_dspark.tokenizer import prompt_ids
+from mlx_dspark.text.tokenizer import prompt_ids
 
 # a real server process per fixture: the slow lane
 pytestmark = pytest.mark.slow

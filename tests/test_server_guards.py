@@ -14,9 +14,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlx_dspark import api
-from mlx_dspark.engine import Engine
-from mlx_dspark.http_guard import Exposure
-from mlx_dspark.server import create_app
+from mlx_dspark.serve.engine import Engine
+from mlx_dspark.serve.http_guard import Exposure
+from mlx_dspark.serve.app import create_app
 
 KEY = "clé-secrète"                  # non-ASCII: sent as UTF-8 bytes
 AUTH = {"Authorization": f"Bearer {KEY}".encode()}

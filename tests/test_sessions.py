@@ -13,11 +13,11 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark import api
-from mlx_dspark.chat import Conversation
-from mlx_dspark.cli_support import flag_error
+from mlx_dspark.cli.chat import Conversation
+from mlx_dspark.cli.common import flag_error
 from mlx_dspark.request import Request, RequestError
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 
 PROMPTS = ["def f(x):", "class Stack:\n    def __init__(self):", "import os\n\n"]
 FOLLOW = [[10, 11], [4, 101, 9], [17]]            # each turn extends its own session

@@ -7,8 +7,8 @@ import pytest
 
 from loop_helpers import serial_greedy, top2_gap
 from mlx_dspark.request import Request, RequestError
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.testing.toy import random_drafter, tiny_target

@@ -8,8 +8,8 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.request import Request
-from mlx_dspark.session import Session
-from mlx_dspark.speculative import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats, format_stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 

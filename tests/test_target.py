@@ -9,7 +9,7 @@ from target_helpers import mlx_lm_from_hf_weights, quantize_like_modelopt, twin_
 
 from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
-from mlx_dspark.target import SERIAL_MAX, KVCache, MambaCache, TargetConfig, load_target
+from mlx_dspark.models.nemotron_h import SERIAL_MAX, KVCache, MambaCache, TargetConfig, load_target
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_group_routing_matches_mlx_lm_when_selection_is_unambiguous():
         w[k] = mx.abs(w[k]) + 0.1
     ref.load_weights([(k, v) for k, v in w.items() if k.endswith("e_score_correction_bias")],
                      strict=False)
-    from mlx_dspark.target import NemotronH
+    from mlx_dspark.models.nemotron_h import NemotronH
     ours = NemotronH(TargetConfig.from_dict(cfg), w, mx.float32)
     toks = _tokens(24)
     assert _rel(ours(toks), ref(toks)) < 2e-6
@@ -102,7 +102,7 @@ def test_converted_nvfp4_and_fp8_checkpoint_matches_mlx_lm_on_dequantized_weight
 @pytest.mark.slow
 def test_bf16_compute_stays_close_to_fp32(twins):
     ours32, ref = twins
-    from mlx_dspark.target import NemotronH, default_dtype
+    from mlx_dspark.models.nemotron_h import NemotronH, default_dtype
     assert default_dtype() == (mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32)
     ours16 = NemotronH(TargetConfig.from_dict(tiny_config()),
                        hf_weights_from_mlx_lm(ref, stacked=True), mx.bfloat16)
@@ -143,7 +143,7 @@ def test_incremental_decoding_equals_full_forward(twins):
 
 
 def test_long_steps_are_fed_in_pieces_with_the_same_result(twins, monkeypatch):
-    import mlx_dspark.target as target
+    import mlx_dspark.models.nemotron_h as target
     ours, _ = twins
     toks = _tokens(70)
     whole, whole_taps = ours.step(toks, ours.make_cache(), tap_layers=(0, 4))
@@ -223,7 +223,7 @@ def test_commit_leaves_exactly_the_state_of_the_accepted_prefix(twins, context):
 
 @pytest.mark.slow
 def test_commit_is_exact_in_bf16_too(twins):
-    from mlx_dspark.target import NemotronH
+    from mlx_dspark.models.nemotron_h import NemotronH
     _, ref = twins
     ours16 = NemotronH(TargetConfig.from_dict(tiny_config()),
                        hf_weights_from_mlx_lm(ref, stacked=True), mx.bfloat16)
@@ -280,8 +280,8 @@ def test_dtype_choices_follow_the_default_device_not_metal(monkeypatch, device, 
     # Forced through mx.default_device (MLX refuses set_default_device(gpu) without a GPU
     # backend): any GPU backend gets bf16 compute and bf16 expert matmuls, the CPU its
     # measured float32 choices.
-    from mlx_dspark.quant import expert_compute_dtype
-    from mlx_dspark.target import default_dtype
+    from mlx_dspark.models.quant import expert_compute_dtype
+    from mlx_dspark.models.nemotron_h import default_dtype
     monkeypatch.setattr(mx.metal, "is_available", lambda: device == mx.cpu)   # must not matter
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(device, 0))
     assert default_dtype() == dtype

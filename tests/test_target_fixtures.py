@@ -12,7 +12,7 @@ import pytest
 from target_helpers import mlx_lm_from_hf_weights
 
 from mlx_dspark.converter.convert import convert
-from mlx_dspark.target import load_target
+from mlx_dspark.models.nemotron_h import load_target
 
 FIX = Path(__file__).parent / "fixtures"
 EXPORTS = ["bf16", "w4a16", "mixed"]

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from target_helpers import twin_models
 
-from mlx_dspark import target as T
+from mlx_dspark.models import nemotron_h as T
 from mlx_dspark.testing.toy import tiny_config
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark import tools
-from mlx_dspark.answer import Answer
+from mlx_dspark.text import tools
+from mlx_dspark.serve.answer import Answer
 from mlx_dspark.api import Pair
 from mlx_dspark.testing.scripted import ScriptedTarget
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import mlx_dspark as md
-from mlx_dspark.bench_cli import PROMPTS as BENCH_PROMPTS
+from mlx_dspark.cli.bench import PROMPTS as BENCH_PROMPTS
 
 PROMPTS = json.loads((Path(__file__).parent / "prompts.json").read_text())
 

@@ -47,8 +47,8 @@ def features(n_windows: int, split: str, taps=None):
     import mlx.core as mx
 
     from mlx_dspark.kernels.norm import rms_norm
-    from mlx_dspark.target import load_target
-    from mlx_dspark.tokenizer import load_tokenizer
+    from mlx_dspark.models.nemotron_h import load_target
+    from mlx_dspark.text.tokenizer import load_tokenizer
 
     target = load_target(str(DEMO), dtype=mx.float32)
     tok = load_tokenizer(str(DEMO), target.config.vocab_size)

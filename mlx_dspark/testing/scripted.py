@@ -88,9 +88,9 @@ def main(argv=None):
     from pathlib import Path
 
     from .. import api
-    from ..engine import Engine
-    from ..server import listen, serve
-    from ..tokenizer import load_tokenizer
+    from ..serve.app import listen, serve
+    from ..serve.engine import Engine
+    from ..text.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(prog="mlx_dspark.testing.scripted")
     p.add_argument("replies", type=Path)

@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 
-def launch(flags=(), timeout: float = 60.0, command=("mlx_dspark.cli", "serve"), **popen):
+def launch(flags=(), timeout: float = 180.0, command=("mlx_dspark.cli", "serve"), **popen):
     """Start ``mlx-dspark serve FLAGS`` in a child process on a free port of 127.0.0.1 and
     wait until it answers ``/health``; returns the process and the base URL (for tests,
     benchmarks and scripts that drive a real server). ``command``: the module (and its

@@ -25,7 +25,7 @@ def truncated(path):
 
 def foreign(path):
     """The same snapshot, rewritten as another model's (an intact file, wrong identity)."""
-    from mlx_dspark.prompt_store import _header, read_snapshot, write_snapshot
+    from mlx_dspark.prompt_cache.disk import _header, read_snapshot, write_snapshot
     ident = json.loads(_header(path)[0]["identity"])
     snap, _ = read_snapshot(path, ident)
     write_snapshot(path, snap, dict(ident, model="0" * 64), "")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import drafter as D
-from .. import drafter_config as DC
+from ..drafters import dspark as D
+from ..drafters import config as DC
+from ..models.nemotron_h import NemotronH, TargetConfig
 from ..open_files import import_mlx_lm
-from ..target import NemotronH, TargetConfig
 
 mlx_lm_nh = import_mlx_lm("mlx_lm.models.nemotron_h")
 
@@ -146,7 +146,7 @@ def random_mtp_weights(target, pattern="*E", seed=0) -> dict:
 
 def random_mtp(target, pattern="*E", seed=0):
     """The MTP drafter over :func:`random_mtp_weights` (a useless drafter)."""
-    from ..mtp import MTPDrafter
+    from ..drafters.mtp import MTPDrafter
     drafter = MTPDrafter(target, random_mtp_weights(target, pattern, seed), pattern)
     mx.eval(drafter.parameters())
     return drafter
@@ -197,7 +197,7 @@ def random_eagle3_weights(target, draft_vocab=48, aux=(1, 3, 5), seed=0,
 
 def random_eagle3(target, **kw):
     """The EAGLE-3 drafter over :func:`random_eagle3_weights` (a useless drafter)."""
-    from ..eagle3 import Eagle3Drafter, parse_config
+    from ..drafters.eagle3 import Eagle3Drafter, parse_config
     w, config = random_eagle3_weights(target, **kw)
     cfg = parse_config(config, "toy", target.config.num_hidden_layers)
     drafter = Eagle3Drafter(cfg, w, target, mx.float32, "embed_tokens.weight" not in w)

@@ -1,0 +1,255 @@
+"""The state of one token sequence, and the model contracts the loop relies on.
+
+Models hold weights only. Everything a generation changes lives in a :class:`Session`: the
+target's cache and the drafter's cache (both made by their model, ``make_cache()``), the
+tokens fed so far, the drafter's pending taps, and where the break-even controller is kept.
+Any number of sessions share one pair, in any interleaving; each gives the tokens it would
+give alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+import mlx.core as mx
+
+from .controller import Controller
+
+
+class Cache(Protocol):
+    """A model's per-sequence state (target.TargetCache, drafter.DrafterCache)."""
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the cache holds (evaluated after a commit)."""
+
+    def snapshot(self):
+        """This state, in arrays later steps do not change."""
+
+    def restore(self, state):
+        """Take the state of an earlier :meth:`snapshot` (which stays usable)."""
+
+
+class Target(Protocol):
+    """What the loop calls on a target (target.NemotronH; ARCHITECTURE.md, "The target")."""
+
+    context_limit: int | None     # longest sequence the model takes, if it declares one
+    config: object                # its config.vocab_size bounds the token ids
+
+    def make_cache(self) -> Cache: ...
+
+    def step(self, tokens: mx.array, cache: Cache, tap_layers=None, last_only=False):
+        """Feed ``tokens [1, T]``; returns ``(logits [1, T, V], taps [T, n*hidden] or None)``."""
+
+    def verify(self, tokens: mx.array, cache: Cache, tap_layers=None):
+        """A step that ``commit`` can cut back to any prefix."""
+
+    def commit(self, cache: Cache, n: int):
+        """Keep the first ``n`` positions of the last verify (exact rollback of the rest)."""
+
+
+class Drafter(Protocol):
+    """What the loop calls on a drafter (drafter.Drafter; ARCHITECTURE.md)."""
+
+    target_layer_ids: list[int]   # the target layers whose outputs feed add_context
+    max_draft: int                # most tokens one propose() drafts
+    context_keep: int | None      # context rows a future query can still see (None: all)
+
+    def make_cache(self, start: int = 0) -> Cache:
+        """An empty context whose first token sits at ``start``."""
+
+    def add_context(self, taps: mx.array, start_pos: int, cache: Cache, tokens=None):
+        """Commit the taps of the ``tokens`` at positions start_pos.. (a drafter that pairs
+        each hidden state with the token after it, MTP or EAGLE-3, reads ``tokens``)."""
+
+    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, noise: mx.array | None = None, cache: Cache = None,
+                constraint=None, vocab: int | None = None):
+        """Lazy ``(tokens [n], logits [n, V])``: the drafts, drawn as
+        ``argmax(log warp(logits) + noise)`` (argmax without noise), never an id from
+        ``vocab`` on, and their logits. Under a grammar, ``constraint(j, prev)`` gives the
+        allowed tokens of row j (after the draft ``prev``); each row is masked before it is
+        drawn and returned masked."""
+
+
+class OwnCache:
+    """A drafter's cache of its own, for callers that use the drafter alone (tests, the contract
+    in ARCHITECTURE.md, "The drafter"); the decode loop always passes a session's."""
+
+    _own = None
+
+    def _cache(self, cache):
+        if cache is not None:
+            return cache
+        if self._own is None:
+            self._own = self.make_cache()
+        return self._own
+
+    def reset(self):
+        """Forget the context of the drafter's own cache (sessions reset theirs)."""
+        self._own = None
+
+    def _context(self, cache, taps, start_pos: int, width: int, tokens=None):
+        """The cache ``add_context`` writes (``cache`` or the drafter's own), after checking
+        that the taps ``[T, width]`` continue it (and that ``tokens``, when the drafter reads
+        them, are the T tokens of those rows)."""
+        cache = self._cache(cache)
+        if start_pos != cache.length:
+            raise ValueError(f"add_context at position {start_pos}, but the drafter's cache "
+                             f"holds {cache.length} context tokens (contexts must be "
+                             f"contiguous)")
+        if taps.ndim != 2 or taps.shape[1] != width:
+            raise ValueError(f"taps must be [T, {width}], got {tuple(taps.shape)}")
+        if tokens is not False and (tokens is None or len(tokens) != taps.shape[0]):
+            raise ValueError("this drafter pairs each context row with the token after it: "
+                             "pass the rows' tokens (tokens=)")
+        return cache
+
+
+@dataclass
+class ControllerHome:
+    """Where a session keeps its break-even controller between calls (a Pair is another: its
+    sessions share what it learned about this machine's costs)."""
+
+    controller: Controller | None = None
+
+
+class Session:
+    """Target cache and drafter cache of one growing token sequence.
+
+    ``tokens`` are the tokens fed to the target so far. Taps of those tokens reach the drafter
+    lazily (``pending``): serial steps only queue them, and the queue is flushed in one
+    ``add_context`` call before the next proposal, so "auto" pays almost nothing for keeping
+    the drafter ready while it decodes serially. A session may be passed to ``decode`` again
+    with a prompt that extends ``tokens`` (a chat's next turn): only the new suffix is
+    prefilled. With no drafter the session never speculates and collects no taps. Taps older
+    than the drafter's ``context_keep`` are dropped while queued (no query will see them), so
+    a long serial stretch keeps a window of them, not all."""
+
+    PENDING_WINDOWS = 2     # queue up to this many windows of taps before dropping old ones
+
+    def __init__(self, target: Target, drafter: Drafter | None = None,
+                 home: ControllerHome | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.home = home if home is not None else ControllerHome()
+        # Where prefill stops to take a snapshot (absolute positions) and what receives it:
+        # a prompt cache sets both before a request (prompt_cache/); reset keeps them.
+        self.checkpoints: tuple[int, ...] = ()
+        self.on_checkpoint: Callable[["Session"], None] | None = None
+        # Bumped by every decode started on this session and every restore: a generator
+        # that finds it changed was overtaken and refuses to go on (speculative.decode).
+        self.generation = 0
+        self.reset()
+
+    @property
+    def controller(self) -> Controller | None:
+        return self.home.controller
+
+    @controller.setter
+    def controller(self, controller: Controller | None):
+        self.home.controller = controller
+
+    def reset(self):
+        """Forget every token (the caches start empty)."""
+        self.cache = self.target.make_cache()
+        self.draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+        self.tokens: list[int] = []
+        self.pending: list[mx.array] = []
+        self.pending_start = 0
+        self.pending_rows = 0
+        self.ahead = None   # the cache mark of a serial step built ahead and not yet fed
+
+    @property
+    def tap_layers(self):
+        return tuple(self.drafter.target_layer_ids) if self.drafter is not None else None
+
+    def feed(self, tokens: list[int], taps: mx.array | None):
+        """Record ``tokens`` as fed to the target, and queue their taps for the drafter."""
+        if taps is not None:
+            if not self.pending:
+                self.pending_start = len(self.tokens)
+            self.pending.append(taps)
+            self.pending_rows += taps.shape[0]
+        self.tokens.extend(tokens)
+        keep = self.drafter.context_keep if self.drafter is not None else None
+        if keep and self.pending_rows > self.PENDING_WINDOWS * keep:
+            # Nothing before the last ``keep`` tokens will be attended again: the drafter's
+            # context restarts there (add_context would skip the same rows, so the result
+            # is the same to the bit).
+            # (copied out, so the rows dropped are freed, not kept alive by a view)
+            taps = mx.contiguous(mx.concatenate(self.pending)[-keep:])
+            self.pending, self.pending_rows = [taps], keep
+            self.pending_start = len(self.tokens) - keep
+            self.draft_cache = self.drafter.make_cache(start=self.pending_start)
+
+    def flush(self) -> int:
+        """Hand the queued taps to the drafter's cache (lazily); returns how many tokens."""
+        if not self.pending:
+            return 0
+        taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
+        start = self.pending_start
+        self.drafter.add_context(taps, start, cache=self.draft_cache,
+                                 tokens=self.tokens[start:start + taps.shape[0]])
+        self.pending, self.pending_rows = [], 0
+        return taps.shape[0]
+
+    def snapshot(self) -> "Snapshot":
+        """The state after ``tokens``, to :meth:`restore` later (a server's prefix cache).
+        Take it between steps (not between a verify and its commit)."""
+        cache = self.cache.snapshot()
+        draft = self.draft_cache.snapshot() if self.draft_cache is not None else None
+        pending = tuple(self.pending)
+        draft_arrays = self.draft_cache.arrays() if self.draft_cache is not None else []
+        mx.eval(list(pending) + draft_arrays)
+        snap = Snapshot(tuple(self.tokens), cache, draft, pending, self.pending_start, 0)
+        return snap.with_nbytes()
+
+    def restore(self, snap: "Snapshot"):
+        """Continue from ``snap`` (of a session on the same target and drafter); the
+        snapshot stays valid, so it can be restored again."""
+        if (snap.drafter is None) != (self.drafter is None):
+            raise ValueError("a snapshot restores only into a session like the one that took "
+                             "it (both with a drafter, or both without)")
+        self.generation += 1
+        self.reset()
+        self.cache.restore(snap.cache)
+        if self.draft_cache is not None:
+            self.draft_cache.restore(snap.drafter)
+        self.tokens = list(snap.tokens)
+        self.pending = list(snap.pending)
+        self.pending_start = snap.pending_start
+        self.pending_rows = sum(t.shape[0] for t in self.pending)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's state after ``tokens`` (:meth:`Session.snapshot`); ``nbytes`` sums its
+    distinct arrays (an array shared with other snapshots counts in each; a PrefixCache
+    counts it once)."""
+
+    tokens: tuple[int, ...]
+    cache: object
+    drafter: object
+    pending: tuple
+    pending_start: int
+    nbytes: int
+
+    def arrays(self) -> list[mx.array]:
+        """Every distinct array the snapshot holds."""
+        seen, out = set(), []
+        for x in _arrays([self.cache, self.drafter, list(self.pending)]):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+        return out
+
+    def with_nbytes(self) -> "Snapshot":
+        return replace(self, nbytes=sum(x.nbytes for x in self.arrays()))
+
+
+def _arrays(tree) -> list[mx.array]:
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [x for t in tree for x in _arrays(t)]
+    return []

@@ -1,0 +1,353 @@
+"""An EAGLE-3 head (``LlamaForCausalLMEagle3``, the layout SpecForge trains and vLLM serves) as
+a drafter.
+
+As vLLM's ``llama_eagle3`` defines it, for the row of position ``p`` (the target's features of
+``p``, the token after it):
+
+    g_p  = fc([a_1 ; a_2 ; a_3])          the target's auxiliary hidden states (our taps)
+    x    = [input_layernorm(embed(t_{p+1})) ; hidden_norm(g_p)]     (2 * hidden wide)
+    r    = g_p + attn(x)                  Llama attention, rotate-half RoPE at position p
+    out  = r + mlp(post_attention_layernorm(r))                   SwiGLU
+    logits = d2t-scatter(lm_head(norm(out)))   draft vocabulary -> target ids, -inf elsewhere
+
+(``norm_before_residual``: the residual is ``hidden_norm(g_p)`` instead of ``g_p``.) Drafting
+more tokens reuses the layer with ``out`` (before ``norm``) as the next row's ``g``, at the next
+position, as vLLM does. ``eagle_aux_hidden_state_layer_ids`` count layers done (vLLM's
+convention): the tap of layer ``i - 1``. The embedding is the target's unless the head carries
+its own (and then the target's is used when the two are bit-identical).
+
+As for the MTP block (drafters/mtp.py), a context row waits for the token after it (``last``), only
+``add_context`` writes the cache, and a proposal's own rows are scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..checkpoint.integrity import check_checkpoint
+from ..converter.layout import LAYOUT
+from ..decode.sampling import constrain, gumbel_max
+from ..decode.session import OwnCache
+from ..models.nemotron_h import KVCache
+from ..models.quant import Weights
+from ..models.weights import _embedding_identical, read_weights, shared_embedding, through_gate
+from .config import DrafterError, _target_dims
+from .dspark import Norm
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MAX_DRAFT = 16
+"""Most tokens one proposal drafts (the head has no limit of its own; see mtp.MAX_DRAFT)."""
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int             # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: tuple     # 0-based target layers tapped (eagle ids - 1)
+    target_hidden_size: int
+    norm_before_residual: bool
+
+
+def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
+    """SpecForge's / vLLM's EAGLE-3 ``config.json``; variants not implemented refused."""
+    archs = cfg.get("architectures") or []
+    if not set(archs) & set(ARCHITECTURES):
+        raise DrafterError(f"{where}: architectures {archs} is not an EAGLE-3 head "
+                           f"({' or '.join(ARCHITECTURES)})")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise DrafterError(f"{where}: unsupported EAGLE-3 variant: num_hidden_layers "
+                           f"{cfg['num_hidden_layers']} (one decoder layer only)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise DrafterError(f"{where}: unsupported EAGLE-3 variant: hidden_act "
+                           f"{cfg['hidden_act']!r} (SwiGLU with silu only)")
+    eagle = cfg.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        raise DrafterError(f"{where}: unsupported EAGLE-3 variant: use_aux_hidden_state false")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise DrafterError(f"{where}: unsupported EAGLE-3 variant: rope type {rope_type!r} "
+                           f"(plain RoPE only)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise DrafterError(f"{where}: unsupported EAGLE-3 variant: biases in attention or MLP")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
+    if ids is None:                              # vLLM's default choice of auxiliary layers
+        ids = [2, target_layers // 2, target_layers - 3]
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    vocab = int(cfg["vocab_size"])
+    return Eagle3Config(
+        hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=vocab,
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        target_layer_ids=tuple(int(i) - 1 for i in ids),
+        target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+
+
+def check_fits(cfg: Eagle3Config, target, where: str):
+    """Refuse a head that was not trained for this target (naming the mismatch)."""
+    hidden, vocab, layers = _target_dims(target)
+    if cfg.target_hidden_size != hidden:
+        raise DrafterError(f"{where}: EAGLE-3 head target_hidden_size {cfg.target_hidden_size} "
+                           f"!= target hidden_size {hidden} (wrong drafter for this target)")
+    if cfg.vocab_size != vocab:
+        raise DrafterError(f"{where}: EAGLE-3 head vocab_size {cfg.vocab_size} != target "
+                           f"vocab_size {vocab} (wrong drafter for this target)")
+    bad = [i + 1 for i in cfg.target_layer_ids if not 0 <= i < layers]
+    if bad:
+        raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids "
+                           f"{[i + 1 for i in cfg.target_layer_ids]} out of range for a "
+                           f"{layers}-layer target (wrong drafter for this target)")
+
+
+def expected_tensors(cfg: Eagle3Config) -> dict:
+    """name -> shape of every tensor of the layout (``embed_tokens`` and ``t2d`` optional)."""
+    h, hd, m = cfg.hidden_size, cfg.head_dim, "midlayer"
+    return {
+        "fc.weight": (h, len(cfg.target_layer_ids) * cfg.target_hidden_size),
+        f"{m}.input_layernorm.weight": (h,), f"{m}.hidden_norm.weight": (h,),
+        f"{m}.post_attention_layernorm.weight": (h,),
+        f"{m}.self_attn.q_proj.weight": (cfg.num_heads * hd, 2 * h),
+        f"{m}.self_attn.k_proj.weight": (cfg.num_kv_heads * hd, 2 * h),
+        f"{m}.self_attn.v_proj.weight": (cfg.num_kv_heads * hd, 2 * h),
+        f"{m}.self_attn.o_proj.weight": (h, cfg.num_heads * hd),
+        f"{m}.mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        f"{m}.mlp.up_proj.weight": (cfg.intermediate_size, h),
+        f"{m}.mlp.down_proj.weight": (h, cfg.intermediate_size),
+        "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+    }
+
+
+def check_tensors(cfg: Eagle3Config, weights: dict, path: str):
+    """Every tensor of the layout present with its shape (a quantized linear by its
+    ``weight`` and ``scales`` shapes), nothing unexpected."""
+    want = expected_tensors(cfg)
+    optional = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+                "t2d": (cfg.vocab_size,)}
+    for name, shape in want.items():
+        if name not in weights:
+            raise DrafterError(f"{path}: missing tensor {name} (EAGLE-3 layout)")
+    for name, w in weights.items():
+        base = name.rsplit(".", 1)[0] + ".weight"
+        shape = want.get(name, optional.get(name))
+        if name.endswith((".scales", ".weight_scale", ".weight_scale_2")) and base in want:
+            continue                                  # checked with their weight below
+        if shape is None:
+            raise DrafterError(f"{path}: unexpected tensor {name} (not part of the EAGLE-3 "
+                               f"layout)")
+        got = tuple(w.shape)
+        if w.dtype == mx.uint32:                      # NVFP4: 8 codes per uint32
+            got = got[:-1] + (got[-1] * 8,)
+        if got != shape:
+            raise DrafterError(f"{path}: tensor {name} has shape {tuple(w.shape)}, expected "
+                               f"{shape}")
+
+
+class Eagle3Drafter(OwnCache, nn.Module):
+    """Parameter names mirror the checkpoint's (the weight-load gate relies on it)."""
+
+    def __init__(self, cfg: Eagle3Config, w: dict, target, dtype, share_embedding: bool):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        wt = Weights(w, dtype, None)
+        eps = cfg.rms_norm_eps
+        self.fc = wt.linear("fc")
+        m = self.midlayer = nn.Module()
+        for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            setattr(m, n, Norm(wt.cast(f"midlayer.{n}.weight"), eps))
+        m.self_attn = nn.Module()
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(m.self_attn, n, wt.linear(f"midlayer.self_attn.{n}"))
+        m.mlp = nn.Module()
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            setattr(m.mlp, n, wt.linear(f"midlayer.mlp.{n}"))
+        self.norm = Norm(wt.cast("norm.weight"), eps)
+        self.lm_head = wt.linear("lm_head", mx.float32)
+        self.d2t = w["d2t"]
+        if "t2d" in w:
+            self.t2d = w["t2d"]
+        if not share_embedding:
+            self.embed_tokens = nn.Module()
+            self.embed_tokens.weight = w["embed_tokens.weight"]
+        # where each draft-vocabulary row goes in the target's vocabulary
+        self._ids = mx.arange(cfg.draft_vocab_size) + self.d2t.astype(mx.int32)
+        self._identity = cfg.draft_vocab_size == cfg.vocab_size and \
+            not mx.any(self.d2t != 0).item()
+        object.__setattr__(self, "_target", target)
+        self.gate_report = None
+
+    # --- the loop's Drafter protocol (decode/session.py)
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    max_draft = MAX_DRAFT
+    context_keep = None         # full attention: every context row stays
+
+    def make_cache(self, start: int = 0) -> "Eagle3Cache":
+        cache = Eagle3Cache()
+        cache.length = start
+        return cache
+
+    def shared_embedding(self) -> mx.array:
+        return shared_embedding(self._target, self.config.vocab_size)
+
+    def _embed(self, ids):
+        if "embed_tokens" in self:
+            return self.embed_tokens.weight[ids].astype(self.dtype)
+        return self._target.embed(ids).astype(self.dtype)
+
+    def layer(self, ids, g, pos0: int, kv: KVCache):
+        """``out [T, hidden]`` (before ``norm``) over rows (token ``ids [T]``, features
+        ``g [T, hidden]``) at positions pos0..; appends their K/V to ``kv``."""
+        cfg, m = self.config, self.midlayer
+        t, hd = g.shape[0], cfg.head_dim
+        e = m.input_layernorm(self._embed(ids))
+        gn = m.hidden_norm(g)
+        x = mx.concatenate([e, gn], axis=-1)[None]
+        a = m.self_attn
+
+        def heads(y, n):
+            return y.reshape(1, t, n, hd).transpose(0, 2, 1, 3)
+
+        q = mx.fast.rope(heads(a.q_proj(x), cfg.num_heads), hd, traditional=False,
+                         base=cfg.rope_theta, scale=1.0, offset=pos0)
+        k = mx.fast.rope(heads(a.k_proj(x), cfg.num_kv_heads), hd, traditional=False,
+                         base=cfg.rope_theta, scale=1.0, offset=pos0)
+        k, v = kv.update(k, heads(a.v_proj(x), cfg.num_kv_heads))
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd ** -0.5,
+                                                 mask="causal" if t > 1 else None)
+        r = (gn if cfg.norm_before_residual else g) + \
+            a.o_proj(o.transpose(0, 2, 1, 3).reshape(1, t, -1))[0]
+        h = m.post_attention_layernorm(r)
+        return r + m.mlp.down_proj(nn.silu(m.mlp.gate_proj(h)) * m.mlp.up_proj(h))
+
+    def logits(self, out):
+        """Target-vocabulary logits ``[T, V]``: the draft vocabulary's at their target ids,
+        -inf elsewhere."""
+        z = self.lm_head(self.norm(out).astype(mx.float32))
+        if self._identity:
+            return z
+        full = mx.full((z.shape[0], self.config.vocab_size), -mx.inf, dtype=mx.float32)
+        full[:, self._ids] = z
+        return full
+
+    def add_context(self, taps: mx.array, start_pos: int, cache: "Eagle3Cache | None" = None,
+                    tokens=None):
+        """Commit the target's taps ``[T, n_taps*hidden]`` of the ``tokens`` at positions
+        start_pos..; each row pairs with the token after it."""
+        cache = self._context(cache, taps, start_pos, self.config.target_hidden_size
+                              * len(self.config.target_layer_ids), tokens)
+        g = self.fc(taps.astype(self.dtype))
+        ids = mx.array(list(tokens), dtype=mx.int32)
+        if cache.last is not None:
+            rows, pos0 = mx.concatenate([cache.last, g[:-1]]), start_pos - 1
+        else:
+            rows, ids, pos0 = g[:-1], ids[1:], start_pos
+        if rows.shape[0]:
+            self.layer(ids, rows, pos0, cache.kv)
+        cache.last = g[-1:]
+        cache.length = start_pos + taps.shape[0]
+
+    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, noise: mx.array | None = None,
+                cache: "Eagle3Cache | None" = None, constraint=None,
+                vocab: int | None = None):
+        """Draft ``n`` tokens after ``bonus``: lazy ``tokens [n]`` and the target-vocabulary
+        ``logits [n, V]`` each was drawn from."""
+        cache = self._cache(cache)
+        if not 1 <= n <= self.max_draft:
+            raise ValueError(f"n={n}: the EAGLE-3 drafter drafts 1..{self.max_draft} tokens")
+        if cache.last is None:
+            raise ValueError("propose() before any context")
+        mark = cache.kv.offset
+        token = mx.array(bonus, dtype=mx.int32).reshape(1)
+        g, tokens, logits = cache.last, [], []
+        for j in range(n):
+            g = self.layer(token, g, cache.length - 1 + j, cache.kv)
+            z = self.logits(g)
+            if constraint is not None:        # a grammar: the allowed tokens after ``token``
+                z = constrain(z, constraint(j, token))
+            noise_j = None if noise is None else noise[j:j + 1]
+            token = gumbel_max(z, temperature, top_p, top_k, noise_j, vocab).astype(mx.int32)
+            tokens.append(token)
+            logits.append(z)
+        cache.kv.offset = mark                      # the drafts' own rows are scratch
+        return mx.concatenate(tokens), mx.concatenate(logits)
+
+
+class Eagle3Cache:
+    """The head's context: K/V of the committed rows, the features of the newest context
+    token (``last``, waiting for the token after it), and ``length``."""
+
+    def __init__(self):
+        self.kv = KVCache()
+        self.last = None
+        self.length = 0
+
+    def snapshot(self):
+        kv = None if self.kv.keys is None else tuple(mx.contiguous(x) for x in self.kv.state())
+        return self.length, self.last, kv
+
+    def restore(self, state):
+        self.length, self.last, kv = state
+        self.kv = KVCache()
+        if kv is not None:
+            self.kv.update(*kv)
+
+    def arrays(self) -> list[mx.array]:
+        out = [] if self.last is None else [self.last]
+        return out + ([] if self.kv.keys is None else list(self.kv.state()))
+
+
+def read_config(path: str) -> dict:
+    cfg_file = os.path.join(path, "config.json")
+    try:
+        with open(cfg_file) as fh:
+            return json.load(fh)
+    except OSError as e:
+        raise DrafterError(f"{cfg_file}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from None
+
+
+def load_eagle3(path: str, target, dtype=None, verify: str = "auto",
+                verbose: bool = False) -> Eagle3Drafter:
+    """Load a converted EAGLE-3 head for ``target`` through the weight-load gate."""
+    cfg_file = os.path.join(path, "config.json")
+    raw = read_config(path)
+    if (raw.get("quantization") or {}).get("layout") != LAYOUT:
+        raise DrafterError(f"{cfg_file}: not a converted checkpoint (no quantization.layout "
+                           f"{LAYOUT!r}); run `mlx-dspark convert` on it first")
+    try:
+        cfg = parse_config(raw, cfg_file, target.config.num_hidden_layers)
+    except KeyError as e:
+        raise DrafterError(f"{cfg_file}: missing field {e}") from None
+    check_fits(cfg, target, cfg_file)
+    dtype = dtype or getattr(target, "dtype", None) or mx.float32
+    check_checkpoint(path, verify)
+    weights, _ = read_weights(path)
+    check_tensors(cfg, weights, path)
+    share = ("embed_tokens.weight" not in weights
+             or _embedding_identical(weights["embed_tokens.weight"], target))
+    drafter = Eagle3Drafter(cfg, weights, target, dtype, share)
+    del weights
+    return through_gate(drafter, path, verbose)

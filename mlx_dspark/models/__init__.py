@@ -1,0 +1,2 @@
+"""The target model: Nemotron-H (``nemotron_h``), the linear layers over the converted
+checkpoint layout (``quant``) and how a checkpoint's tensors become those layers (``weights``)."""

@@ -1,0 +1,190 @@
+"""A converted directory as the runtime reads it: the weight files (which ones, and their check
+against the receipt, are checkpoint/integrity.py's) and the weight-load gate (every tensor a model holds
+compared with the bytes in the file, read again by an independent parser). The layout itself is
+converter/layout.py's."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..checkpoint.integrity import CheckpointError, checkpoint_files
+from ..converter.layout import GROUP_SIZE
+from .quant import DenseExperts, ScaledLinear
+
+
+def read_weights(path: str) -> tuple[dict, dict]:
+    """All tensors of the checkpoint's weight files (integrity.checkpoint_files), and which file
+    each came from. A tensor in two files is refused: a stray copy never overrides another."""
+    weights, origin = {}, {}
+    for f in checkpoint_files(path):
+        try:
+            shard = mx.load(f)
+        except Exception as e:  # MLX reports truncated/corrupt files with various types
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+        for k, v in shard.items():
+            if k in origin:
+                raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
+            weights[k] = v
+            origin[k] = f
+    return weights, origin
+
+
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+
+_ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+              "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
+              "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F8_E4M3": np.uint8,
+              "BOOL": np.bool_}
+
+
+def read_raw_safetensors(f: str) -> dict:
+    """name -> (safetensors dtype string, numpy array of the stored bits), parsed from the
+    file's own header (independent of MLX's loader, so the gate checks one with the other)."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    data = np.memmap(f, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        out[name] = (info["dtype"], data[b:e].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"]))
+    return out
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 value of each of the 256 E4M3 bytes (bias 7, subnormals, 0x7F/0xFF = NaN)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7) / 8.0
+    v = np.where(e == 0, m * 2.0 ** -6, (1 + m) * 2.0 ** (e - 7.0))
+    v[(e == 15) & (b & 7 == 7)] = np.nan
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+_E4M3 = _e4m3_values()
+_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _decode(st_dtype: str, arr: np.ndarray) -> np.ndarray | None:
+    """A stored float tensor as float32 values (exact), or None for non-float storage."""
+    if st_dtype == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    if st_dtype in ("F16", "F32"):
+        return arr.astype(np.float32)
+    return None
+
+
+def _decode_nvfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """e2m1 code x E4M3 block scale (no tensor scale) as float32; exact. Codes: 8 per uint32,
+    element i in bits 4i..4i+3, i.e. low nibble first in little-endian bytes."""
+    b = codes.view(np.uint8)
+    nib = np.stack([b & 15, b >> 4], axis=-1).reshape(codes.shape[0], -1)
+    return _E2M1[nib] * np.repeat(_E4M3[scales], GROUP_SIZE, axis=-1)
+
+
+def _same(want: np.ndarray, got: mx.array) -> bool:
+    """``got`` equals the file's values: bit for bit for integer storage; for floats, the exact
+    file values converted to ``got``'s dtype (a no-op unless the model computes in a narrower
+    dtype than the file stores)."""
+    if tuple(want.shape) != tuple(got.shape):
+        return False
+    if want.dtype.kind in "uib":
+        return np.array_equal(np.array(got), want)
+    want = mx.array(want).astype(got.dtype)
+    return bool(mx.array_equal(want, got, equal_nan=True).item())
+
+
+def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
+    """Compare every tensor of the checkpoint whose name starts with ``prefix`` (the drafter's
+    parameter names, ``prefix`` removed) with what ``drafter`` holds; raise on any mismatch
+    or when nothing was comparable. Returns the report ``"k/k tensors match"``. A model that
+    borrows its embedding has a ``shared_embedding()`` method returning the borrowed table."""
+    stored = {}
+    for f in checkpoint_files(path):
+        for name, (st_dtype, arr) in read_raw_safetensors(f).items():
+            if name.startswith(prefix):
+                stored[name[len(prefix):]] = (f, st_dtype, arr)
+    params = dict(tree_flatten(drafter.parameters()))
+    checks = []  # (checkpoint tensors, their values, model parameter)
+    used = set()  # model parameters checked by a decoding rule
+    absent = []  # model parameters with no counterpart in the checkpoint
+    for module, m in drafter.named_modules():
+        if not isinstance(m, ScaledLinear) and not (isinstance(m, DenseExperts) and "scale" in m):
+            continue
+        used |= {f"{module}.weight", f"{module}.scale"}
+        # NVFP4 decoded at load (weight = e2m1 x e4m3, scale = ws2), or FP8 decoded at load
+        nvfp4 = f"{module}.scales" in stored
+        names = [f"{module}.weight", f"{module}.scales"] if nvfp4 else [f"{module}.weight"]
+        scale = f"{module}.weight_scale_2" if nvfp4 else f"{module}.weight_scale"
+        if any(n not in stored for n in (*names, scale)):
+            absent.append(module)
+            continue
+        codes = stored[names[0]][2]
+        want = _decode_nvfp4(codes, stored[names[1]][2]) if nvfp4 else _E4M3[codes]
+        checks.append((names, want, m.weight))
+        checks.append(([scale], _decode(*stored[scale][1:]), m.scale))
+    for name, p in params.items():
+        if name in used:
+            continue
+        if name not in stored:
+            absent.append(name)
+            continue
+        f, st_dtype, arr = stored[name]
+        checks.append(([name], _decode(st_dtype, arr) if p.dtype in _FLOATS else arr, p))
+    if "embed_tokens.weight" in stored and "embed_tokens.weight" not in params:
+        # Shared with the target: what the target's embedding returns must be the file's.
+        f, st_dtype, arr = stored["embed_tokens.weight"]
+        checks.append((["embed_tokens.weight"], _decode(st_dtype, arr), drafter.shared_embedding()))
+
+    matched, bad, seen = 0, [], set()
+    for names, want, got in checks:
+        seen.update(names)
+        if want is not None and _same(want, got):
+            matched += len(names)
+        else:
+            bad.append(f"{'+'.join(prefix + n for n in names)} ({stored[names[0]][0]}): "
+                       f"loaded values differ from the file")
+    bad += [f"{prefix}{n} ({stored[n][0]}): not loaded into the drafter"
+            for n in sorted(set(stored) - seen)]
+    bad += [f"{prefix}{n}: in the drafter but not in the checkpoint" for n in absent]
+    if matched == 0:
+        raise CheckpointError(f"{path}: weight-load gate refused the drafter: no tensor could be "
+                               f"compared with the checkpoint ({len(bad)} problem(s))")
+    if bad:
+        raise CheckpointError(f"{path}: weight-load gate refused the drafter: {len(bad)} problem(s): "
+                               + "; ".join(bad[:5]))
+    return f"{matched}/{len(stored)} tensors match"
+
+
+def through_gate(drafter: nn.Module, path: str, verbose: bool = False, prefix: str = ""):
+    """``drafter`` with its parameters evaluated and passed through :func:`weight_gate`
+    (``drafter.gate_report`` set; printed with ``verbose``)."""
+    mx.eval(drafter.parameters())
+    drafter.gate_report = weight_gate(drafter, path, prefix)
+    if verbose:
+        print(f"drafter {prefix + 'from ' if prefix else ''}{path}: {drafter.gate_report}")
+    return drafter
+
+
+def shared_embedding(target, vocab: int) -> mx.array:
+    """The target's embedding table, read through ``target.embed`` in chunks (what a drafter
+    that borrows it holds, for the gate)."""
+    return mx.concatenate([target.embed(mx.arange(s, min(s + 8192, vocab)))
+                           for s in range(0, vocab, 8192)])
+
+
+def _embedding_identical(own: mx.array, target) -> bool:
+    v = own.shape[0]
+    for s in range(0, v, 8192):
+        ids = mx.arange(s, min(s + 8192, v))
+        t = target.embed(ids)
+        if not mx.array_equal(t.astype(mx.float32), own[ids].astype(mx.float32)).item():
+            return False
+    return True

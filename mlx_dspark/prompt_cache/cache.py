@@ -1,0 +1,90 @@
+"""Where a prompt is continued from: snapshots in memory (prompt_cache/memory.py) and on disk
+(prompt_cache/disk.py), and where new ones are taken.
+
+Before a request, :meth:`PromptCache.start` restores the longest snapshot of the request's
+space whose tokens begin the prompt (memory or disk, whichever holds more of it) and plans
+checkpoints for the rest of the prefill: the end of each chat message (``boundaries``: the
+end of the system prompt and tool definitions is the first) and every ``every`` tokens of a
+long prompt. Prefill stops at each (speculative.prefill), the session is snapshotted, and a
+later request that shares the prefix up to there, whatever follows, continues from it. The
+engine also remembers the end of each prompt and of each answer (the next turn of a chat).
+
+A request continued from a checkpoint computes what its cold run computed after that point,
+piece for piece: the cuts come from the prompt alone (its message ends and multiples of
+``every``), and a cold run with a cache cuts at the same places.
+
+``every`` (``CHECKPOINT_EVERY``) is a measured choice: a snapshot copies the attention keys
+and values so far and holds the Mamba states (tens of MB at Lightning's shapes); one every
+4096 tokens costs a few percent of prefilling those tokens (benchmarks/bench_prompt_cache.py,
+docs/prompt-cache.md)."""
+
+from __future__ import annotations
+
+from .memory import PrefixCache
+
+CHECKPOINT_EVERY = 4096
+
+
+class PromptCache:
+    def __init__(self, memory_bytes: int, store=None, every: int = CHECKPOINT_EVERY):
+        self.memory = PrefixCache(memory_bytes) if memory_bytes > 0 else None
+        self.store = store                  # a prompt_store.PromptStore, or None
+        self.every = every
+        self.found = {"memory": 0, "disk": 0, "none": 0}
+
+    def start(self, session, prompt, boundaries=(), space: str = "") -> int:
+        """Put ``session`` at the longest cached prefix of ``prompt`` (or empty) and plan the
+        snapshots of the rest of its prefill; returns how many tokens were restored."""
+        snap = self.memory.find(prompt, space) if self.memory is not None else None
+        where = "memory" if snap is not None else "none"
+        if self.store is not None:
+            entry = self.store.find(prompt, space, len(snap.tokens) if snap else 0)
+            loaded = self.store.load(entry) if entry is not None else None
+            if loaded is not None:
+                snap, where = loaded, "disk"
+                if self.memory is not None:
+                    self.memory.add(loaded, space)
+        self.found[where] += 1
+        if snap is not None:
+            session.restore(snap)
+        else:
+            session.reset()
+        start, end = len(session.tokens), len(prompt)
+        cuts = {b for b in boundaries if start < b < end}
+        cuts.update(range((start // self.every + 1) * self.every, end, self.every))
+        session.checkpoints = tuple(sorted(cuts))
+        session.on_checkpoint = lambda s: self.remember(s, space)
+        return start
+
+    def finish(self, session):
+        """The request is over: no more checkpoints on this session."""
+        session.checkpoints, session.on_checkpoint = (), None
+
+    def remember(self, session, space: str = ""):
+        """Keep the session's present state (in memory, and on disk when there is a store)."""
+        tokens = session.tokens
+        if not tokens:
+            return
+        in_memory = self.memory is None or self.memory.touch(tokens, space)
+        on_disk = self.store is None or (space, tokens) in self.store
+        if in_memory and on_disk:
+            return
+        snap = session.snapshot()
+        if not in_memory:
+            self.memory.add(snap, space)
+        if not on_disk:
+            self.store.add(snap, space)
+
+    def health(self) -> dict:
+        """What ``/health`` shows."""
+        out = {"found": dict(self.found), "checkpoint_every": self.every}
+        if self.memory is not None:
+            out["memory"] = {"snapshots": len(self.memory), "bytes": self.memory.nbytes,
+                             "budget_bytes": self.memory.budget}
+        if self.store is not None:
+            out["disk"] = {"dir": self.store.dir, "snapshots": len(self.store.entries),
+                           "bytes": self.store.nbytes, "budget_bytes": self.store.budget,
+                           "writes": self.store.writes, "reads": self.store.reads,
+                           "write_s": round(self.store.t_write, 3),
+                           "read_s": round(self.store.t_read, 3)}
+        return out

@@ -1,0 +1,65 @@
+"""A reply's chunks read into what both server APIs send (free of MLX): its thinking, its
+text and its tool calls, in order, as they arrive.
+
+The chunks already carry the thinking apart from the answer (api.Chunk.reasoning); here the
+answer goes through tools.Stream when the request declared tools, so that streamed events and
+the whole answer hold the same calls and the same text. ``prefill`` is text the server wrote
+at the start of the reply in the prompt (a forced tool call's opening), read as if the model
+had written it."""
+
+from __future__ import annotations
+
+from ..text import tools
+
+
+class Answer:
+    """Accumulates one reply; :meth:`add` returns its new events: ``("reasoning", str)``,
+    ``("text", str)`` and ``("call", tools.Call)``."""
+
+    def __init__(self, functions: dict | None = None, prefill: str = ""):
+        self.stream = tools.Stream(functions) if functions is not None else None
+        self.reasoning: list[str] = []
+        self.text: list[str] = []
+        self.calls: list[tools.Call] = []
+        self.tokens = 0               # answer tokens (a final stop token is not one)
+        self.reasoning_tokens = 0     # of which inside the thinking block
+        self.stats = None
+        self.held = self._read(prefill) if prefill else []
+
+    def add(self, chunk) -> list[tuple[str, object]]:
+        self.tokens += not chunk.stop
+        self.reasoning_tokens += chunk.thinking and not chunk.stop
+        self.stats = chunk.stats
+        events = []
+        if chunk.reasoning:
+            self.reasoning.append(chunk.reasoning)
+            events.append(("reasoning", chunk.reasoning))
+        events += self.held + self._read(chunk.text)
+        self.held = []
+        if chunk.finish_reason is not None and self.stream is not None:
+            events += self._pieces(self.stream.finish())
+        return events
+
+    def _read(self, text: str) -> list:
+        if self.stream is None:
+            return self._pieces([text] if text else [])
+        return self._pieces(self.stream.add(text))
+
+    def _pieces(self, pieces) -> list:
+        out = []
+        for p in pieces:
+            if isinstance(p, tools.Call):
+                self.calls.append(p)
+                out.append(("call", p))
+            elif p:
+                self.text.append(p)
+                out.append(("text", p))
+        return out
+
+    @property
+    def finish_reason(self) -> str:
+        """"tool_calls" when the reply called tools and was not cut short, else "stop" or
+        "length"."""
+        if self.stats.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.calls else "stop"

@@ -1,0 +1,283 @@
+"""Anthropic Messages API shapes for ``mlx-dspark serve`` (``POST /v1/messages``,
+docs/serve.md): a request body read into chat messages, tools and options, refusals as
+Anthropic error objects, and the reply as a message or as Anthropic's stream of events. The
+engine, the prompt encoding and the reading of thinking and tool calls are the OpenAI
+endpoint's (serve/app.py, serve/answer.py); only the shapes differ."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+
+from ..text import tools
+from .answer import Answer
+from .openai import ApiError, ToolUse, _get
+
+# The fields /v1/messages honours; any other set field is a 400 naming it.
+FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
+          "top_p", "top_k", "stream", "tools", "tool_choice", "thinking"}
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 503: "overloaded_error", 500: "api_error"}
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error")
+    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
+                        status_code=e.status, headers=headers)
+
+
+@dataclass
+class MessagesRequest:
+    messages: list[dict]        # as the chat template takes them
+    use: ToolUse
+    options: dict               # api.make_request keywords
+    template: dict              # chat template variables
+    budget: int | None          # thinking_token_budget
+
+
+def read(body: dict) -> MessagesRequest:
+    """A /v1/messages body checked and read."""
+    for name, value in body.items():
+        if value is not None and name not in FIELDS:
+            raise ApiError(f"'{name}' is not supported by this server; it honours "
+                           f"{', '.join(sorted(FIELDS))}", name)
+    max_tokens = _get(body, "max_tokens", (int,), lambda n: n >= 1, "at least 1")
+    if max_tokens is None:
+        raise ApiError("'max_tokens' is required", "max_tokens")
+    num = (int, float)
+    temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 1, "between 0 and 1")
+    top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
+    top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
+    stops = _get(body, "stop_sequences", (list,)) or []
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+    options = dict(max_tokens=max_tokens,
+                   temperature=float(temperature) if temperature is not None else 1.0,
+                   top_p=float(top_p) if top_p is not None else 1.0, top_k=top_k or 0,
+                   stop=stops)
+    template, budget = _thinking(body)
+    system = _system(body.get("system"))
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        _messages(_get(body, "messages", (list,)))
+    return MessagesRequest(messages, _tools(body), options, template, budget)
+
+
+def _thinking(body: dict) -> tuple[dict, int | None]:
+    """``thinking: {"type": "enabled", "budget_tokens": N}`` turns thinking on with that
+    budget; without it (or ``"disabled"``) the model does not think, as Anthropic's API."""
+    thinking = _get(body, "thinking", (dict,))
+    if thinking is None or thinking.get("type") == "disabled":
+        return {"enable_thinking": False}, None
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or not isinstance(budget, int) \
+            or isinstance(budget, bool) or budget < 0:
+        raise ApiError("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N >= 0} "
+                       "or {\"type\": \"disabled\"}", "thinking")
+    return {"enable_thinking": True}, budget
+
+
+def _system(system) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    if isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                        and isinstance(b.get("text"), str) for b in system):
+        return "".join(b["text"] for b in system)
+    raise ApiError("'system' must be a string or a list of text blocks", "system")
+
+
+def _messages(messages) -> list[dict]:
+    """Anthropic turns -> template messages: text blocks join into the turn's text, an
+    assistant's ``tool_use`` blocks become its tool calls, a user's ``tool_result`` blocks
+    become tool messages; earlier ``thinking`` blocks are dropped (the template keeps only
+    past answers)."""
+    if not messages:
+        raise ApiError("'messages' must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(f"'{where}' must be an object with role 'user' or 'assistant'",
+                           where)
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise ApiError(f"'{where}.content' must be a string or a list of blocks",
+                           f"{where}.content")
+        text, calls, results = [], [], []
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            at = f"{where}.content.{j}"
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue
+            elif kind == "tool_use" and m["role"] == "assistant" \
+                    and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict):
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b["name"], "arguments": b["input"]}})
+            elif kind == "tool_result" and m["role"] == "user":
+                results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                                "content": _result_text(b.get("content"), at)})
+            else:
+                raise ApiError(f"'{at}': this server reads text, tool_use (assistant) and "
+                               f"tool_result (user) blocks", at)
+        if m["role"] == "assistant":
+            out.append({"role": "assistant", "content": "".join(text),
+                        **({"tool_calls": calls} if calls else {})})
+        else:
+            out += results
+            if text or not results:
+                out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _result_text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                         for b in content):
+        return "".join(b.get("text", "") for b in content)
+    raise ApiError(f"'{where}.content' must be a string or text blocks", f"{where}.content")
+
+
+def _tools(body: dict) -> ToolUse:
+    defs = _get(body, "tools", (list,))
+    for j, t in enumerate(defs or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
+                or not isinstance(t.get("input_schema", {}), dict):
+            raise ApiError(f"'tools.{j}' must be {{\"name\": ..., \"input_schema\": {{...}}}}",
+                           f"tools.{j}")
+    choice = _get(body, "tool_choice", (dict,)) or {"type": "auto"}
+    kind = choice.get("type")
+    if not defs or kind == "none":
+        if kind not in ("auto", "none"):
+            raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
+        return ToolUse()
+    single = bool(choice.get("disable_parallel_tool_use"))
+    if single and kind not in ("any", "tool"):
+        raise ApiError("'tool_choice.disable_parallel_tool_use' needs a forced tool_choice "
+                       "(any or tool), whose calls a grammar holds to one",
+                       "tool_choice.disable_parallel_tool_use")
+    openai = [{"type": "function", "function": {"name": t["name"],
+                                                "description": t.get("description", ""),
+                                                "parameters": t.get("input_schema") or {}}}
+              for t in defs]
+    names = tools.schemas(openai)
+    if kind == "auto":
+        return ToolUse(openai, names)
+    if kind == "any":
+        return ToolUse(openai, names, tools.START + "\n", not single)
+    if kind == "tool" and choice.get("name") in names:
+        return ToolUse(openai, names, f"{tools.START}\n<function={choice['name']}>\n",
+                       not single)
+    raise ApiError("'tool_choice' must be auto, any, none, or a tool among 'tools'",
+                   "tool_choice")
+
+
+class MessageReply:
+    """Accumulates one generation into an Anthropic message, or into its stream events."""
+
+    def __init__(self, model: str, use: ToolUse, prompt_tokens: int):
+        self.model, self.prompt_tokens = model, prompt_tokens
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.answer = Answer(use.functions, use.prefill)
+        self.stop_sequence = None
+        self.block = None        # (index, kind) of the block being streamed
+        self.blocks = 0
+
+    def add(self, chunk) -> list:
+        if chunk.finish_reason is not None and chunk.stop_string is not None:
+            self.stop_sequence = chunk.stop_string
+        return self.answer.add(chunk)
+
+    @property
+    def stop_reason(self) -> str:
+        if self.stop_sequence is not None:
+            return "stop_sequence"
+        return STOP_REASONS[self.answer.finish_reason]
+
+    def usage(self) -> dict:
+        stats = self.answer.stats
+        return {"input_tokens": self.prompt_tokens, "output_tokens": self.answer.tokens,
+                "cache_read_input_tokens": stats.reused_tokens if stats else 0}
+
+    def _message(self, content: list) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": None, "stop_sequence": None,
+                "usage": self.usage()}
+
+    def whole(self) -> dict:
+        a = self.answer
+        content = [{"type": "thinking", "thinking": "".join(a.reasoning), "signature": ""}] \
+            if a.reasoning else []
+        text = "".join(a.text)
+        content += [{"type": "text", "text": text}] if text or not a.calls else []
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}
+                    for c in a.calls]
+        return {**self._message(content), "stop_reason": self.stop_reason,
+                "stop_sequence": self.stop_sequence, "dspark": a.stats.as_dict()}
+
+    # -- streaming: (event name, data) pairs in Anthropic's order ----------------------------
+
+    def start(self) -> list:
+        return [("message_start", {"type": "message_start", "message": self._message([])})]
+
+    def events(self, events: list) -> list:
+        out = []
+        for kind, item in events:
+            if kind == "call":
+                out += self._open("tool_use", {"type": "tool_use", "id": item.id,
+                                               "name": item.name, "input": {}})
+                out.append(self._delta({"type": "input_json_delta",
+                                        "partial_json": item.arguments_json}))
+                out += self._close()
+            elif kind == "reasoning":
+                out += self._open("thinking", {"type": "thinking", "thinking": "",
+                                               "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": item}))
+            else:
+                out += self._open("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": item}))
+        return out
+
+    def end(self) -> list:
+        out = self._close()
+        if self.blocks == 0 and not self.answer.calls:      # an empty answer: one empty text
+            out += self._open("text", {"type": "text", "text": ""}) + self._close()
+        out.append(("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": self.stop_reason,
+                                                "stop_sequence": self.stop_sequence},
+                                      "usage": {"output_tokens": self.answer.tokens}}))
+        out.append(("message_stop", {"type": "message_stop"}))
+        return out
+
+    def _open(self, kind: str, block: dict) -> list:
+        if self.block is not None and self.block[1] == kind and kind != "tool_use":
+            return []
+        out = self._close()
+        self.block = (self.blocks, kind)
+        self.blocks += 1
+        return out + [("content_block_start", {"type": "content_block_start",
+                                               "index": self.block[0], "content_block": block})]
+
+    def _delta(self, delta: dict):
+        return ("content_block_delta", {"type": "content_block_delta", "index": self.block[0],
+                                        "delta": delta})
+
+    def _close(self) -> list:
+        if self.block is None:
+            return []
+        index, self.block = self.block[0], None
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+def sse(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"

@@ -1,0 +1,184 @@
+"""The engine of ``mlx-dspark serve``: one thread that owns the pair and its session and runs
+one generation at a time, first come first served.
+
+A pair's session holds one target cache and one drafter cache, and MLX runs one stream of
+work; serving requests in turn keeps each generation exactly what ``generate()`` gives
+(batching several sequences into one forward is a later step). Every MLX call happens on this
+thread, loading included, so no lazy array crosses threads. The engine keeps session
+snapshots in a :class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``):
+taken at message ends and every few thousand tokens while prefilling and at the end of each
+prompt and answer, so a request that resends a conversation, or the same system prompt
+before another one, prefills only what is new."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from .. import api
+from ..decode.session import Session
+from ..prompt_cache.cache import PromptCache
+from ..request import NonFiniteLogits, Request
+from . import logprobs
+from .openai import ApiError
+
+log = logging.getLogger("mlx_dspark.serve")
+CANCELLED = "the request was cancelled (its client went away)"
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine; chunks (or an error) come back on ``out``."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None     # score the reply's tokens, with this many alternatives
+    boundaries: tuple = ()      # where the prompt's chat messages end (checkpoints)
+    space: str = ""             # whose snapshots it may use (API key and cache_salt, hashed)
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, item):
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
+        except RuntimeError:        # the event loop is gone (shutdown): nobody is listening
+            self.cancelled.set()
+
+
+class Engine:
+    """The thread that owns the pair and serves jobs one at a time, in arrival order.
+
+    ``load()`` runs on the thread and returns the pair; ``max_queue`` jobs may wait while one
+    runs (more are refused); ``cache_bytes`` bounds the snapshots kept in memory (0 and no
+    ``store``: no reuse, every request is prefilled from scratch); ``store(pair, session)``,
+    called on the thread once the pair is loaded, returns the on-disk store
+    (prompt_store.PromptStore) or None; ``use_drafter`` False (a server that never
+    speculates) keeps the drafter out of the session, so no taps are collected."""
+
+    def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
+                 store=None):
+        self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
+        self._cache_bytes, self._store = cache_bytes, store
+        self.cache: PromptCache | None = None
+        self.pair = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._active = 0            # jobs submitted and not finished (waiting or running)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._current: Job | None = None
+        self.served = self.cancelled = 0    # generations finished, and stopped early
+        self._thread = threading.Thread(target=self._main, name="mlx-dspark-engine",
+                                        daemon=True)
+
+    def start(self):
+        """Start the thread and wait for the pair; a load error is raised here."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def cancel_all(self, reason: str):
+        """End every request with an error event: the waiting ones never start, the running
+        one stops at its next token."""
+        jobs = [self._current]
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job is not None:
+                job.cancelled.set()
+                job.emit("error", reason)
+
+    def stop(self):
+        """Cancel what is left and end the thread (the generation in flight stops at its next
+        token)."""
+        if self._thread.is_alive():
+            self.cancel_all("the server is shutting down")
+            self._jobs.put(None)
+            self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, job: Job):
+        with self._lock:
+            if self._active > self.max_queue:
+                raise ApiError(f"the server is busy: one generation is running and "
+                                   f"{self.max_queue} requests are waiting (--max-queue); "
+                                   f"retry later", status=503, type="server_error",
+                                   code="server_busy")
+            self._active += 1
+        self._jobs.put(job)
+
+    def _main(self):
+        try:
+            self.pair = self.load()
+            self.session = Session(self.pair.target,
+                                   self.pair.drafter if self.use_drafter else None,
+                                   home=self.pair)
+            store = self._store(self.pair, self.session) if self._store else None
+            if self._cache_bytes > 0 or store is not None:
+                self.cache = PromptCache(self._cache_bytes, store)
+        except BaseException as e:        # reported by start() on the main thread
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
+        while (job := self._jobs.get()) is not None:
+            self._current = job
+            try:
+                if job.cancelled.is_set():
+                    job.emit("error", CANCELLED)
+                else:
+                    self._run(job)
+            except NonFiniteLogits as e:      # the session reset itself; the reason is news
+                job.emit("error", f"generation failed: {e}")
+            except Exception as e:
+                log.exception("generation failed")
+                self.session.reset()          # the state may be half-updated
+                job.emit("error", f"generation failed: {type(e).__name__}")
+            finally:
+                self._current = None
+                with self._lock:
+                    self._active -= 1
+
+    def _run(self, job: Job):
+        session, cache = self.session, self.cache
+        if cache is not None:
+            cache.start(session, job.request.prompt, job.boundaries, job.space)
+        else:
+            session.reset()
+        stream = api.stream(self.pair, job.request, session)
+        tokens = []
+        try:
+            for i, chunk in enumerate(stream):
+                tokens += [] if chunk.stop else [chunk.token]
+                if chunk.finish_reason is not None and job.logprobs is not None:
+                    job.emit("logprobs", logprobs.score(self.pair.target,
+                                                        list(job.request.prompt), tokens,
+                                                        job.logprobs))
+                job.emit("chunk", chunk)
+                if i == 0:
+                    self._remember(job)       # the prompt's state, before any answer token
+                if job.cancelled.is_set() and chunk.finish_reason is None:
+                    self.cancelled += 1
+                    job.emit("error", CANCELLED)   # ends a handler still waiting for it
+                    break
+            else:
+                self.served += 1
+        finally:
+            stream.close()
+            if cache is not None:
+                cache.finish(session)
+        self._remember(job)                   # prompt and answer: the next turn's prefix
+
+    def _remember(self, job: Job):
+        if self.cache is not None:
+            self.cache.remember(self.session, job.space)

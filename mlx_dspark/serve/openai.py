@@ -1,0 +1,480 @@
+"""OpenAI request and response shapes for ``mlx-dspark serve`` (docs/serve.md): reading a
+JSON body into a :class:`~mlx_dspark.request.Request`'s options, refusing what does not fit
+with an OpenAI error object, and building completion objects and stream pieces from chunks.
+No engine, no HTTP server: those are serve/engine.py and serve/app.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+
+from ..request import RequestError
+from ..text import tools
+from ..text.chat_template import check_template_variables
+from .answer import Answer
+
+COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
+MAX_STOPS = 4                   # as OpenAI
+MAX_TOP_LOGPROBS = 20           # as OpenAI
+MAX_DEPTH = 32                  # JSON nesting: chat needs 4, tools add their schemas' depth
+
+# Every field each endpoint honours (docs/serve.md lists them); any other field that is set
+# (not null) is refused with a 400 naming it, so no request is silently served as something
+# it did not ask for.
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                   "stream", "stream_options", "frequency_penalty", "presence_penalty"}
+FIELDS = {
+    "chat": SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                               "reasoning_effort", "thinking_token_budget", "tools",
+                               "tool_choice", "parallel_tool_calls", "logprobs",
+                               "top_logprobs", "cache_salt", "response_format"},
+    "completion": SAMPLING_FIELDS | {"prompt", "logprobs", "cache_salt", "response_format"},
+}
+
+
+def check_fields(body: dict, kind: str):
+    """Refuse the first set field the endpoint does not honour."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name not in FIELDS[kind]:
+            raise ApiError(f"'{name}' is not supported by this server; it honours "
+                           f"{', '.join(sorted(FIELDS[kind]))}", name, "unsupported_parameter")
+        if name in ("frequency_penalty", "presence_penalty") and value != 0:
+            raise ApiError(f"'{name}' must be 0 (penalties are not supported)", name,
+                           "unsupported_parameter")
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status and an OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = \
+            message, param, code, status, type
+
+
+def error_response(e: ApiError, cors_origin: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else {}
+    if cors_origin is not None:     # an allowed browser origin may read the error
+        headers.update({"Access-Control-Allow-Origin": cors_origin, "Vary": "Origin"})
+    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                                   "code": e.code}}, status_code=e.status, headers=headers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass
+class Params:
+    """What a request asks for, checked: the generation, and how to send it back."""
+
+    request: object             # request.Request
+    stream: bool
+    include_usage: bool
+    tools: "ToolUse" = None
+    logprobs: int | None = None     # alternatives per token, when logprobs are asked for
+
+
+def _get(body: dict, name: str, kinds, check=None, what: str = ""):
+    """``body[name]`` if present and not null, of one of ``kinds`` (bools are not numbers)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = {int: "an integer", str: "a string", bool: "a boolean", list: "an array",
+                 dict: "an object"}
+        want = "a number" if float in kinds else " or ".join(names[k] for k in kinds)
+        raise ApiError(f"'{name}' must be {want}, not {json.dumps(value)[:40]}", name)
+    if check is not None and not check(value):
+        raise ApiError(f"'{name}' must be {what}, not {value}", name)
+    return value
+
+
+def parse_body(raw: bytes) -> dict:
+    too_deep = ApiError(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:          # deeper than the interpreter's recursion limit
+        raise too_deep from None
+    if _depth(body) > MAX_DEPTH:
+        raise too_deep
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+def _depth(value) -> int:
+    """How deep ``value`` nests arrays and objects (iteratively: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                todo.extend((v, depth + 1) for v in
+                            (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def sampling_options(body: dict, default_max_tokens: int | None,
+                     defaults: dict | None = None) -> dict:
+    """api.make_request keyword arguments from the OpenAI sampling fields; a field the body
+    leaves out takes the server's default (``defaults``: ``serve --temp`` ... or the model's
+    generation_config.json), else OpenAI's."""
+    defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
+    num = (int, float)
+    temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 2 and math.isfinite(t),
+                       "between 0 and 2")
+    top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
+    top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
+    seed = _get(body, "seed", (int,), lambda s: 0 <= s < 2**64, "in [0, 2**64)")
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        max_tokens = _get(body, name, (int,), lambda n: n >= 1, "at least 1")
+        if max_tokens is not None:
+            break
+    stop = _get(body, "stop", (str, list))
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(f"'stop' must be a non-empty string or a list of at most "
+                           f"{MAX_STOPS} non-empty strings", "stop")
+    n = _get(body, "n", (int,))
+    if n not in (None, 1):
+        raise ApiError("'n' must be 1: this server returns one choice per request", "n")
+    return dict(max_tokens=max_tokens or defaults.get("max_tokens") or default_max_tokens,
+                temperature=float(temperature if temperature is not None
+                                  else defaults["temperature"]),
+                top_p=float(top_p if top_p is not None else defaults["top_p"]),
+                top_k=top_k if top_k is not None else defaults["top_k"], seed=seed, stop=stop)
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+
+
+def _content(content, where: str, empty_ok: bool = False) -> str:
+    if isinstance(content, list):       # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(f"'{where}' parts must be text parts "
+                           f"({{\"type\": \"text\", \"text\": ...}}); this model "
+                           f"reads text only", where)
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(f"'{where}' must be a string or an array of text parts", where)
+    return content
+
+
+def constraint_options(body: dict, use: "ToolUse") -> dict:
+    """api.make_request's grammar keywords: ``response_format`` (text, json_object,
+    json_schema), or for a forced ``tool_choice`` (``use.prefill``, the call's opening the
+    prompt ends with) the grammar of the rest of Nemotron's tool calls to ``tools``
+    (grammar.tool_calls), so that the call is well formed and its arguments typed."""
+    from ..decode import grammar
+    from ..request import RequestError
+    response_format = _get(body, "response_format", (dict,))
+    if not use.prefill:
+        return {"response_format": response_format} if response_format else {}
+    if response_format and response_format.get("type") != "text":
+        raise ApiError("'response_format' and a forced 'tool_choice' cannot both constrain "
+                       "the answer", "response_format")
+    try:
+        return {"grammar": grammar.tool_calls(use.tools, parallel=use.parallel,
+                                              prefix=use.prefill)}
+    except RequestError as e:
+        raise ApiError(str(e), e.param) from None
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The messages as the chat template takes them: roles (``developer`` is ``system``),
+    text content, an assistant's ``tool_calls`` with their arguments as objects, a tool
+    result's ``tool_call_id``."""
+    messages = _get(body, "messages", (list,))
+    if not messages:
+        raise ApiError("'messages' must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"'{where}' must be an object with a string 'role'", where)
+        role = ROLES.get(m["role"])
+        if role is None:
+            raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}, not "
+                           f"{m['role']!r}", f"{where}.role")
+        message = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id")
+        out.append(message)
+    return out
+
+
+def _history_calls(calls, where: str) -> list[dict]:
+    """An assistant's earlier calls, arguments parsed (the template writes them back)."""
+    if not isinstance(calls, list):
+        raise ApiError(f"'{where}' must be an array of tool calls", where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ApiError(f"'{where}[{j}]' must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"arguments\": ...}}}}", f"{where}[{j}]")
+        args = f.get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise ApiError(f"'{where}[{j}].function.arguments' must be a JSON object",
+                           f"{where}[{j}].function.arguments")
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+@dataclass
+class ToolUse:
+    """What a request's tools ask of the reply: the definitions for the template (None: no
+    tools section), the functions to read calls of (None: no calls read) and the text the
+    reply is made to start with (a forced call's opening)."""
+
+    tools: list | None = None
+    functions: dict | None = None
+    prefill: str = ""
+    parallel: bool = True        # a forced reply may hold several calls
+
+
+def tool_use(body: dict) -> ToolUse:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` read and checked. "auto" (the
+    default with tools): the model may call; "none": the tools are not shown; "required" and
+    a named function: the reply starts with the opening of a call (the prompt's prefill)
+    and the rest is held to well-formed calls by grammar (:func:`constraint_options`)."""
+    defs = _get(body, "tools", (list,))
+    for j, t in enumerate(defs or []):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("parameters", {}), (dict, type(None))):
+            raise ApiError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": {{...}}}}}}", f"tools[{j}]")
+    parallel = _get(body, "parallel_tool_calls", (bool,)) is not False
+    choice = body.get("tool_choice")
+    choice = "auto" if choice is None else choice
+    if not parallel and not (choice == "required" or isinstance(choice, dict)):
+        raise ApiError("'parallel_tool_calls': false needs a forced 'tool_choice' (\"required\" "
+                       "or a named function), whose calls a grammar holds to one",
+                       "parallel_tool_calls", "unsupported_parameter")
+    names = tools.schemas(defs)
+    if choice == "none" or not defs:
+        if choice not in ("none", "auto"):
+            raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
+        return ToolUse()
+    if choice == "auto":
+        return ToolUse(defs, names)
+    if choice == "required":
+        return ToolUse(defs, names, tools.START + "\n", parallel)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
+        and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        else None
+    if name is None:
+        raise ApiError("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": "
+                       "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise ApiError(f"'tool_choice' names {name!r}, which is not among 'tools'",
+                       "tool_choice")
+    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel)
+
+
+def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
+    """Chat template variables (the server's ``--chat-template-args``, then the request's
+    ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off) and the
+    thinking budget."""
+    options = dict(defaults)
+    variables = _get(body, "chat_template_kwargs", (dict,)) or {}
+    try:
+        check_template_variables(variables)
+    except RequestError as e:
+        raise ApiError(str(e), e.param) from None
+    options.update(variables)
+    effort = _get(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort != "none":
+            raise ApiError(f"'reasoning_effort' {effort!r} is not supported: 'none' turns "
+                           f"thinking off; cap it with 'thinking_token_budget'",
+                           "reasoning_effort", "unsupported_parameter")
+        options["enable_thinking"] = False
+    budget = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
+    return options, budget
+
+
+def logprobs_request(body: dict, kind: str) -> int | None:
+    """How many alternatives per token to return with its log-probability (None: no
+    logprobs). Chat: ``logprobs: true`` and ``top_logprobs`` 0..20; completions:
+    ``logprobs`` 0..5."""
+    if kind != "chat":
+        return _get(body, "logprobs", (int,), lambda n: 0 <= n <= 5, "in [0, 5]")
+    on = _get(body, "logprobs", (bool,))
+    top = _get(body, "top_logprobs", (int,), lambda n: 0 <= n <= MAX_TOP_LOGPROBS,
+               f"in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and not on:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def completion_prompt(body: dict, vocab: int):
+    """A string or a list of token ids (one prompt per request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab for t in prompt):
+            raise ApiError(f"'prompt' token ids must be in [0, {vocab})", "prompt")
+        return prompt
+    raise ApiError("'prompt' must be a non-empty string or a non-empty array of token ids "
+                       "(one prompt per request)", "prompt")
+
+
+def check_model(body: dict, model_ids):
+    """``model`` absent, or one of the names the server answers to (``model_ids``: its id
+    first, then the name, path or repo id it was started with)."""
+    model = _get(body, "model", (str,))
+    if model is not None and model not in model_ids:
+        raise ApiError(f"model '{model}' is not served here; this server serves "
+                       f"'{model_ids[0]}'", "model", "model_not_found")
+
+
+def model_object(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark"}
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(_get(body, "stream", (bool,)))
+    opts = _get(body, "stream_options", (dict,)) or {}
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ApiError("'stream_options.include_usage' must be a boolean",
+                           "stream_options.include_usage")
+    return stream, bool(usage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class Reply:
+    """Accumulates the chunks of one generation into OpenAI response objects: the thinking
+    as ``reasoning_content``, the text as ``content``, the calls as ``tool_calls``."""
+
+    def __init__(self, kind: str, model: str, functions: dict | None = None,
+                 prefill: str = ""):
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.answer = Answer(functions, prefill)
+        self.logprobs = None        # set by the engine's scores, when asked for
+
+    def add(self, chunk) -> list:
+        return self.answer.add(chunk)
+
+    @property
+    def stats(self):
+        return self.answer.stats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.answer.finish_reason
+
+    def usage(self) -> dict:
+        prompt, tokens = self.stats.prompt_tokens, self.answer.tokens
+        usage = {"prompt_tokens": prompt, "completion_tokens": tokens,
+                 "total_tokens": prompt + tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.stats.reused_tokens}}
+        if self.kind == "chat":
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": self.answer.reasoning_tokens}
+        return usage
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self) -> dict:
+        a = self.answer
+        text = "".join(a.text)
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": text or (None if a.calls else "")}
+            if a.reasoning:
+                message["reasoning_content"] = "".join(a.reasoning)
+            if a.calls:
+                message["tool_calls"] = [c.openai() for c in a.calls]
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs,
+                      "finish_reason": self.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs,
+                      "finish_reason": self.finish_reason}
+            obj = "text_completion"
+        return {**self._head(obj), "choices": [choice], "usage": self.usage(),
+                "dspark": self.stats.as_dict()}
+
+    def pieces(self, events: list) -> list[dict]:
+        """Stream pieces for the new events of one chunk."""
+        out = []
+        for kind, item in events:
+            if self.kind != "chat":
+                out.append(self._piece({"text": item}))
+            elif kind == "call":
+                index = self.answer.calls.index(item)
+                out.append(self._delta({"tool_calls": [{
+                    "index": index, "id": item.id, "type": "function",
+                    "function": {"name": item.name, "arguments": ""}}]}))
+                out.append(self._delta({"tool_calls": [{
+                    "index": index, "function": {"arguments": item.arguments_json}}]}))
+            else:
+                field = "reasoning_content" if kind == "reasoning" else "content"
+                out.append(self._delta({field: item}))
+        return out
+
+    def first_piece(self) -> dict:
+        """The stream's first piece: the role (chat), before any text."""
+        return self._delta({"role": "assistant"}) if self.kind == "chat" else \
+            self._piece({"text": ""})
+
+    def end_piece(self) -> dict:
+        end = self._delta({}) if self.kind == "chat" else self._piece({"text": ""})
+        end["choices"][0]["finish_reason"] = self.finish_reason
+        end["choices"][0]["logprobs"] = self.logprobs
+        return {**end, "dspark": self.stats.as_dict()}
+
+    def _delta(self, delta: dict) -> dict:
+        return self._piece({"delta": delta})
+
+    def _piece(self, body: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [{"index": 0, **body, "logprobs": None,
+                                                "finish_reason": None}]}
+
+    def usage_piece(self) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
