@@ -23,6 +23,7 @@ from .request import Request, RequestError, Thinking, speculative_mode, split_st
 from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
+from .text.stops import StopScanner
 from .text.tokenizer import load_tokenizer, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
@@ -466,7 +467,7 @@ def _remembering(cache, session: Session, chunks) -> Iterator[Chunk]:
 
 
 def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
-    stops, strings = request.stop_tokens, request.stop_strings
+    stops, scanner = request.stop_tokens, StopScanner(request.stop_strings)
     detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:
         detok.reset()
@@ -494,16 +495,16 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
             if last:
                 detok.finalize()
             text = detok.text
-            cut = _find_stop(text, strings, max(0, shown - _longest(strings)))
-            if cut is not None:
+            end, stop_string = scanner.scan(text[shown:])
+            if stop_string is not None:
                 stats.finish_reason = "stop"
-                last_chunk = chunk(text[shown:cut], token, True)
-                last_chunk.stop_string = next(s for s in strings if text.startswith(s, cut))
+                last_chunk = chunk(text[shown:shown + end], token, True)
+                last_chunk.stop_string = stop_string
                 yield last_chunk
                 return
-            end = len(text) if last else len(text) - _held_back(text, strings)
+            end = len(text) if last else shown + end
             yield chunk(text[shown:end], token, last, stop)
-            shown = max(shown, end)
+            shown = end
     finally:
         with pair.lock:
             tokens.close()
@@ -553,23 +554,3 @@ def _peak_rss_bytes() -> int:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024     # macOS: bytes; Linux: KiB
-
-
-def _find_stop(text: str, stop_strings, start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stop_strings) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stop_strings) -> int:
-    """Length of the longest end of ``text`` that could be the start of a stop string."""
-    best = 0
-    for s in stop_strings:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def _longest(stop_strings) -> int:
-    return max((len(s) for s in stop_strings), default=0)

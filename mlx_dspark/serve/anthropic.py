@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 
 from ..text import tools
 from .answer import Answer
-from .openai import ApiError, ToolUse, _get
+from .openai import ApiError, ToolUse, _get, stop_strings
 
 # The fields /v1/messages honours; any other set field is a 400 naming it.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
@@ -56,9 +56,7 @@ def read(body: dict) -> MessagesRequest:
     temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 1, "between 0 and 1")
     top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
     top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
-    stops = _get(body, "stop_sequences", (list,)) or []
-    if not all(isinstance(s, str) and s for s in stops):
-        raise ApiError("'stop_sequences' must be a list of non-empty strings", "stop_sequences")
+    stops = stop_strings(_get(body, "stop_sequences", (list,)) or [], "stop_sequences")
     options = dict(max_tokens=max_tokens,
                    temperature=float(temperature) if temperature is not None else 1.0,
                    top_p=float(top_p) if top_p is not None else 1.0, top_k=top_k or 0,

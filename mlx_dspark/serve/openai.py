@@ -19,7 +19,8 @@ from ..text.chat_template import check_template_variables
 from .answer import Answer
 
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
-MAX_STOPS = 4                   # as OpenAI
+MAX_STOPS = 4                   # as OpenAI; for Anthropic's stop_sequences too
+MAX_STOP_CHARS = 1000           # per stop string (held back while it may be forming)
 MAX_TOP_LOGPROBS = 20           # as OpenAI
 MAX_DEPTH = 32                  # JSON nesting: chat needs 4, tools add their schemas' depth
 
@@ -147,10 +148,7 @@ def sampling_options(body: dict, default_max_tokens: int | None,
         if max_tokens is not None:
             break
     stop = _get(body, "stop", (str, list))
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(f"'stop' must be a non-empty string or a list of at most "
-                           f"{MAX_STOPS} non-empty strings", "stop")
+    stop = stop_strings([stop] if isinstance(stop, str) else stop or [], "stop")
     n = _get(body, "n", (int,))
     if n not in (None, 1):
         raise ApiError("'n' must be 1: this server returns one choice per request", "n")
@@ -159,6 +157,16 @@ def sampling_options(body: dict, default_max_tokens: int | None,
                                   else defaults["temperature"]),
                 top_p=float(top_p if top_p is not None else defaults["top_p"]),
                 top_k=top_k if top_k is not None else defaults["top_k"], seed=seed, stop=stop)
+
+
+def stop_strings(stops: list, name: str) -> list[str]:
+    """``stops`` (the field ``name``) checked: at most MAX_STOPS non-empty strings of at most
+    MAX_STOP_CHARS characters, which bounds the text a stream holds back for them."""
+    if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                         for s in stops):
+        raise ApiError(f"'{name}' takes at most {MAX_STOPS} stop strings, each non-empty and "
+                       f"at most {MAX_STOP_CHARS} characters long", name)
+    return stops
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
