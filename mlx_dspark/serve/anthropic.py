@@ -41,6 +41,7 @@ class MessagesRequest:
     options: dict               # api.make_request keywords
     template: dict              # chat template variables
     budget: int | None          # thinking_token_budget
+    prefill: str = ""           # the reply's start: a last assistant message, continued
 
 
 def read(body: dict) -> MessagesRequest:
@@ -65,7 +66,23 @@ def read(body: dict) -> MessagesRequest:
     system = _system(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + \
         _messages(_get(body, "messages", (list,)))
-    return MessagesRequest(messages, _tools(body), options, template, budget)
+    prefill = _prefill(messages)
+    if prefill and template["enable_thinking"]:
+        raise ApiError("'thinking' and a last assistant message (a prefill) do not go "
+                       "together: the reply would continue the prefill, not think first",
+                       "thinking")
+    return MessagesRequest(messages, _tools(body), options, template, budget, prefill)
+
+
+def _prefill(messages: list[dict]) -> str:
+    """A last assistant message's text, taken off ``messages``: the start of the reply, which
+    the model continues (as Anthropic's API does), written as given after the generation
+    prompt rather than closed as a past turn (which would also trim it)."""
+    last = messages[-1]
+    if last["role"] != "assistant" or "tool_calls" in last:
+        return ""
+    messages.pop()
+    return last["content"]
 
 
 def _thinking(body: dict) -> tuple[dict, int | None]:
@@ -275,6 +292,12 @@ class MessageReply:
             return []
         index, self.block = self.block[0], None
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+def ping(position: int | None) -> dict:
+    """A ``ping`` event's data (Anthropic's keep-alive), with the place in the queue while
+    the request waits."""
+    return {"type": "ping", **({"queue_position": position} if position else {})}
 
 
 def sse(name: str, data: dict) -> str:

@@ -37,38 +37,45 @@ from .http_guard import Exposure, HttpGuard
 from .openai import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse, chat_messages,
                      check_fields, check_model, completion_prompt, constraint_options,
                      error_response, logprobs_request, parse_body, sampling_options, stream_flags,
-                     thinking_options, tool_use, _get, model_object)
+                     text_chars, thinking_options, tool_use, _get, model_object)
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 FILES_RESERVED = 64     # descriptors kept for files the process opens later (snapshots, logs)
 ACCEPT_BATCH = 64       # connections asyncio accepts in one go, before any of them is seen
 ENCODERS = 2            # prompts tokenized at once (each takes memory in proportion to its text)
+KEEPALIVE_SECONDS = 10.0    # the longest silence on a stream (queued, or a long prefill)
 
 
-async def _events(job: Job):
-    """(kind, item) pairs of a job until its final chunk or an error; leaving early (the
-    client went away) cancels the generation at its next token."""
+async def _events(engine: Engine, job: Job, keepalive: bool = False):
+    """(kind, item) pairs of a job until its final chunk or an error; with ``keepalive``, a
+    ``("keepalive", position)`` after each KEEPALIVE_SECONDS without one (``position`` in
+    the queue, None once running). Leaving early (the client went away) cancels the job: a
+    waiting one leaves the queue at once, a running one stops at its next token."""
     try:
         while True:
-            kind, item = await job.out.get()
+            try:
+                kind, item = await asyncio.wait_for(
+                    job.out.get(), KEEPALIVE_SECONDS if keepalive else None)
+            except asyncio.TimeoutError:
+                kind, item = "keepalive", engine.position(job)
             yield kind, item
             if kind == "error" or kind == "chunk" and item.finish_reason is not None:
                 return
     finally:
-        job.cancelled.set()
+        engine.cancel(job)
 
 
 ENGINE_OPTIONS = ("num_draft", "speculative")     # set by the server, never by a request
 
 
 @contextlib.asynccontextmanager
-async def _cancelled_on_disconnect(request: Request, job: Job):
+async def _cancelled_on_disconnect(request: Request, engine: Engine, job: Job):
     """While in the block, a client that goes away (for a non-streamed answer) cancels the
     job: its body is read, so the next message it sends is the disconnect."""
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancelled.set()
+        engine.cancel(job)
 
     watching = asyncio.ensure_future(watch())
     try:
@@ -124,25 +131,26 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             messages, use = chat_messages(body), tool_use(body)
             template, budget = thinking_options(body, template_defaults)
             ids = await encode(messages, template, use)
-            if engine.cache is not None:      # checkpoints where the messages end
-                options_t = {**template, "tools": use.tools} if use.tools else template
-                boundaries = tuple(await run_in_threadpool(
-                    message_boundaries, tokenizer, messages, options_t, ids))
+            boundaries = await checkpoints(messages, template, use, ids)
         else:
             prompt = completion_prompt(body, vocab)
             ids = prompt if isinstance(prompt, list) else await encode(prompt)
         options.update(constraint_options(body, use))
-        params = Params(make_request(ids, options, budget, "messages" if kind == "chat"
-                                     else "prompt"), stream, include_usage, use,
-                        logprobs_request(body, kind))
+        generation = make_request(ids, options, budget, "messages" if kind == "chat"
+                                  else "prompt")
+        if kind != "chat":      # a completion is the model's text as written, its thinking
+            generation = dataclasses.replace(generation, thinking=None)   # and closing tag too
+        params = Params(generation, stream, include_usage, use, logprobs_request(body, kind))
         return params, boundaries, cache_space(request, body)
 
-    async def encode(prompt, template=None, use: ToolUse | None = None) -> list[int]:
+    async def encode(prompt, template=None, use: ToolUse | None = None,
+                     prefill: str = "") -> list[int]:
         """Token ids of a completion prompt, or of chat messages through the template (with
-        the tools, and a forced call's opening after the generation prompt)."""
+        the tools, then the reply's given start and a forced call's opening after the
+        generation prompt)."""
         where = "messages" if template is not None else "prompt"
         chars = len(prompt) if isinstance(prompt, str) else \
-            sum(len(m.get("content") or "") for m in prompt)
+            text_chars(prompt, template, use.tools, prefill)
         if limit is not None and chars > limit * longest:
             raise ApiError(f"the prompt has {chars} characters, more than this model's "
                            f"context of {limit} tokens can hold", where,
@@ -152,13 +160,24 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                 if template is None:
                     ids = await run_in_threadpool(prompt_ids, tokenizer, prompt)
                 else:
-                    ids = await run_in_threadpool(chat_ids, tokenizer, prompt, template, use)
+                    ids = await run_in_threadpool(chat_ids, tokenizer, prompt, template, use,
+                                                  prefill)
         except Exception as e:   # no chat template, or the template refuses the messages
             raise ApiError(f"'{where}' cannot be encoded: "
                            f"{' '.join(str(e).split()) or type(e).__name__}", where) from None
         if not ids:
             raise ApiError(f"'{where}' encodes to no tokens", where)
         return ids
+
+    async def checkpoints(messages, template: dict, use: ToolUse, ids: list[int]) -> tuple:
+        """Where the messages end in ``ids``, for the prompt cache; in an encoder slot, as
+        each end costs about what encoding the prompt did."""
+        if engine.cache is None:
+            return ()
+        options = {**template, "tools": use.tools} if use.tools else template
+        async with encoders:
+            return tuple(await run_in_threadpool(message_boundaries, tokenizer, messages,
+                                                 options, ids))
 
     def make_request(ids: list[int], options: dict, budget: int | None, where: str):
         if limit is not None:
@@ -181,8 +200,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         engine.submit(job)
         reply = Reply(kind, model_id, params.tools.functions, params.tools.prefill)
         if not params.stream:
-            async with _cancelled_on_disconnect(request, job):
-                async for what, item in _events(job):
+            async with _cancelled_on_disconnect(request, engine, job):
+                async for what, item in _events(engine, job):
                     if what == "error":
                         raise ApiError(item, status=500, type="server_error")
                     if what == "logprobs":
@@ -193,7 +212,10 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
 
         async def sse():
             first = True      # the role piece goes out with the first token, not before
-            async for what, item in _events(job):
+            async for what, item in _events(engine, job, keepalive=True):
+                if what == "keepalive":     # an SSE comment, which clients skip
+                    yield f": queued, position {item}\n\n" if item else ": running\n\n"
+                    continue
                 if first and what == "chunk":
                     yield _sse(reply.first_piece())
                     first = False
@@ -227,7 +249,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             body = parse_body(await request.body())
             check_model(body, model_ids)
             m = anthropic.read(body)
-            ids = await encode(m.messages, m.template, m.use)
+            ids = await encode(m.messages, m.template, m.use, m.prefill)
             options = {**m.options, **constraint_options({}, m.use)}   # forced calls
             params = make_request(ids, options, m.budget, "messages")
             stream = bool(_get(body, "stream", (bool,)))
@@ -237,8 +259,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             return anthropic.error_response(e)
         reply = anthropic.MessageReply(model_id, m.use, len(ids))
         if not stream:
-            async with _cancelled_on_disconnect(request, job):
-                async for what, item in _events(job):
+            async with _cancelled_on_disconnect(request, engine, job):
+                async for what, item in _events(engine, job):
                     if what == "error":
                         return anthropic.error_response(ApiError(item, status=500))
                     reply.add(item)
@@ -247,7 +269,10 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         async def events():
             for name, data in reply.start():
                 yield anthropic.sse(name, data)
-            async for what, item in _events(job):
+            async for what, item in _events(engine, job, keepalive=True):
+                if what == "keepalive":
+                    yield anthropic.sse("ping", anthropic.ping(item))
+                    continue
                 if what == "error":
                     yield anthropic.sse("error", {"type": "error", "error": {
                         "type": "api_error", "message": item}})

@@ -13,8 +13,8 @@ before another one, prefills only what is new."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -29,7 +29,7 @@ log = logging.getLogger("mlx_dspark.serve")
 CANCELLED = "the request was cancelled (its client went away)"
 
 
-@dataclass
+@dataclass(eq=False)          # a job is itself: the queue finds it by identity
 class Job:
     """One request on its way through the engine; chunks (or an error) come back on ``out``."""
 
@@ -64,9 +64,10 @@ class Engine:
         self._cache_bytes, self._store = cache_bytes, store
         self.cache: PromptCache | None = None
         self.pair = None
-        self._jobs: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[Job] = collections.deque()
         self._active = 0            # jobs submitted and not finished (waiting or running)
-        self._lock = threading.Lock()
+        self._stopping = False
+        self._lock = threading.Condition()      # over the three above; notified on a new job
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._current: Job | None = None
@@ -84,12 +85,10 @@ class Engine:
     def cancel_all(self, reason: str):
         """End every request with an error event: the waiting ones never start, the running
         one stops at its next token."""
-        jobs = [self._current]
-        while True:
-            try:
-                jobs.append(self._jobs.get_nowait())
-            except queue.Empty:
-                break
+        with self._lock:
+            jobs = [self._current, *self._waiting]
+            self._active -= len(self._waiting)
+            self._waiting.clear()
         for job in jobs:
             if job is not None:
                 job.cancelled.set()
@@ -100,12 +99,30 @@ class Engine:
         token)."""
         if self._thread.is_alive():
             self.cancel_all("the server is shutting down")
-            self._jobs.put(None)
+            with self._lock:
+                self._stopping = True
+                self._lock.notify()
             self._thread.join()
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return len(self._waiting)
+
+    def position(self, job: Job) -> int | None:
+        """Where ``job`` waits: 1 runs next; None once it runs (or has left)."""
+        with self._lock:
+            return self._waiting.index(job) + 1 if job in self._waiting else None
+
+    def cancel(self, job: Job):
+        """``job``'s client is gone: if it waits, it leaves the queue now, so that its place
+        is free for the next request at once; if it runs, it stops at its next token."""
+        job.cancelled.set()
+        with self._lock:
+            if job not in self._waiting:
+                return
+            self._waiting.remove(job)
+            self._active -= 1
+        job.emit("error", CANCELLED)          # ends a handler still waiting for it
 
     def submit(self, job: Job):
         with self._lock:
@@ -115,7 +132,8 @@ class Engine:
                                    f"retry later", status=503, type="server_error",
                                    code="server_busy")
             self._active += 1
-        self._jobs.put(job)
+            self._waiting.append(job)
+            self._lock.notify()
 
     def _main(self):
         try:
@@ -131,8 +149,7 @@ class Engine:
             return
         finally:
             self._ready.set()
-        while (job := self._jobs.get()) is not None:
-            self._current = job
+        while (job := self._next()) is not None:
             try:
                 if job.cancelled.is_set():
                     job.emit("error", CANCELLED)
@@ -148,6 +165,16 @@ class Engine:
                 self._current = None
                 with self._lock:
                     self._active -= 1
+
+    def _next(self) -> Job | None:
+        """The next job (now the current one), once there is one; None once stopping."""
+        with self._lock:
+            while not self._waiting and not self._stopping:
+                self._lock.wait()
+            if self._stopping:
+                return None
+            self._current = self._waiting.popleft()
+            return self._current
 
     def _run(self, job: Job):
         session, cache = self.session, self.cache

@@ -127,6 +127,23 @@ def _depth(value) -> int:
     return deepest
 
 
+def text_chars(*values) -> int:
+    """Characters in every string in ``values``, object keys included (a tool schema's
+    property names are rendered too): what a chat template may write of them. Walked
+    iteratively, as :func:`_depth`."""
+    total, todo = 0, list(values)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            todo.extend(value)
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+    return total
+
+
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import json
+import re
 import threading
 
 from ..request import RequestError
@@ -33,13 +35,19 @@ def _apply_parameters() -> frozenset:
                      if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
+# Variables that switch a part of a template on or off (enable_thinking, thinking,
+# truncate_history_thinking...): templates test them for truth, so "false", 1 or {} would
+# switch thinking on. Only true and false are taken.
+_SWITCH = re.compile(r"enable_\w+|(\w+_)?thinking")
+
+
 class TemplateTimeout(Exception):
     """Raised inside the rendering thread, and to the caller, when time is up."""
 
 
 def check_template_variables(variables) -> dict:
     """``chat_template_kwargs`` as template variables: an object with string keys, none of
-    them a tokenizer argument or the template itself."""
+    them a tokenizer argument or the template itself, its switches booleans."""
     if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
         raise RequestError("chat_template_kwargs", "chat_template_kwargs must be an object of "
                                                    "template variables (string keys)")
@@ -50,6 +58,11 @@ def check_template_variables(variables) -> dict:
                 "these are arguments of the tokenizer, not template variables")
         raise RequestError("chat_template_kwargs", f"chat_template_kwargs may not set "
                                                    f"{', '.join(reserved)}: {what}")
+    for name, value in variables.items():
+        if _SWITCH.fullmatch(name) and not isinstance(value, bool):
+            raise RequestError(f"chat_template_kwargs.{name}",
+                               f"chat_template_kwargs.{name} is a switch: true or false, not "
+                               f"{json.dumps(value, default=repr)[:40]}")
     return variables
 
 

@@ -121,17 +121,19 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_ids(tokenizer, messages: list[dict], options: dict, use=None) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], options: dict, use=None,
+             prefill: str = "") -> list[int]:
     """Ids of chat messages through the template, with ``use`` (openai_api.ToolUse): its
-    tools in the template's tools section, and its prefill (a forced call's opening) after
-    the generation prompt, the thinking block closed first (a forced call is not thought
-    about)."""
+    tools in the template's tools section; after the generation prompt, ``prefill`` (the
+    reply's start as the client wrote it) and ``use.prefill`` (a forced call's opening), the
+    thinking block closed first (a forced call is not thought about)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError("this model's tokenizer has no chat template")
     if use is not None and use.tools:
         options = {**options, "tools": use.tools}
     ids, text = encode_chat(tokenizer, messages, options)
-    if use is None or not use.prefill:
+    start = prefill + (use.prefill if use is not None else "")
+    if not start:
         return ids
     close = reasoning.END.lstrip("\n") if reasoning.opens_thinking(text) else ""
-    return ids + _encode(tokenizer, close + use.prefill)
+    return ids + _encode(tokenizer, close + start)
