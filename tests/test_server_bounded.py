@@ -217,6 +217,17 @@ def test_queued_clients_that_hang_up_free_their_places_for_new_ones(engine, held
             assert _until(lambda: engine.waiting == 0, 5), "gone clients keep their places"
 
 
+def test_a_queued_non_streamed_client_that_hangs_up_frees_its_place(engine, held, url):
+    body = json.dumps({"messages": USER, "max_tokens": 4}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))
+        assert _until(lambda: engine.waiting == 1)
+    assert _until(lambda: engine.waiting == 0, 5), "a gone client keeps its place"
+
+
 def test_queued_streams_get_keep_alives_with_their_place(engine, held, url, monkeypatch):
     monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.05, raising=False)
     with httpx.Client(timeout=30) as http, _stream(http, url) as first, \
