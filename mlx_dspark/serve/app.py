@@ -138,8 +138,10 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         options.update(constraint_options(body, use))
         generation = make_request(ids, options, budget, "messages" if kind == "chat"
                                   else "prompt")
-        if kind != "chat":      # a completion is the model's text as written, its thinking
-            generation = dataclasses.replace(generation, thinking=None)   # and closing tag too
+        if kind != "chat":
+            # a completion is the model's text as written, its thinking and closing tag
+            # included: the completions shape has no other place for them
+            generation = dataclasses.replace(generation, thinking=None)
         params = Params(generation, stream, include_usage, use, logprobs_request(body, kind))
         return params, boundaries, cache_space(request, body)
 
