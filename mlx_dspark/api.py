@@ -382,7 +382,8 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``top_k``, ``seed``, ``num_draft``; ``speculative``: "auto", True/"on" or False/"off";
     ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
     stop; a stop token is not part of the output; a stop string ends the text just before it,
-    the token that completed it kept in ``tokens``); ``chat_template_kwargs`` (such as
+    the token that completed it kept in ``tokens``; under a grammar it cuts nothing and ends
+    the answer where it is first complete); ``chat_template_kwargs`` (such as
     ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
     ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
@@ -472,6 +473,11 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
     if detok is not None:
         detok.reset()
     splitter = reasoning.Splitter() if request.thinking is not None else None
+    # Under a grammar a stop string cuts nothing: once seen, it ends the answer after the first
+    # token at which the answer is complete (docs/grammar.md), so an answer that stops parses.
+    complete_after = request.grammar.acceptor() \
+        if request.stop_strings and request.grammar is not None else None
+    seen = None          # the stop string seen, under a grammar
 
     def chunk(piece: str, token: int, last: bool, stop: bool = False) -> Chunk:
         if splitter is None:
@@ -483,6 +489,7 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
         return Chunk(answer, token, _snapshot(stats, last), stop, thought, inside)
 
     shown = 0        # characters of the detokenized text already yielded
+    scanned = 0      # of them, those the scanner let show (all of them, without a grammar)
     try:
         for token in _taking_turns(tokens, pair.lock):
             last = stats.finish_reason is not None     # decode names it before the last token
@@ -495,14 +502,19 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
             if last:
                 detok.finalize()
             text = detok.text
-            end, stop_string = scanner.scan(text[shown:])
-            if stop_string is not None:
+            end, stop_string = (0, None) if seen else scanner.scan(text[scanned:])
+            if stop_string is not None and complete_after is not None:
+                seen, stop_string = stop_string, None
+            complete = complete_after is not None and not stop and complete_after(token)
+            if stop_string is not None or (seen and complete and not last):
                 stats.finish_reason = "stop"
-                last_chunk = chunk(text[shown:shown + end], token, True)
-                last_chunk.stop_string = stop_string
+                cut = scanned + end if stop_string is not None else len(text)
+                last_chunk = chunk(text[shown:cut], token, True)
+                last_chunk.stop_string = stop_string or seen
                 yield last_chunk
                 return
-            end = len(text) if last else shown + end
+            scanned += end
+            end = len(text) if last or complete_after is not None else scanned
             yield chunk(text[shown:end], token, last, stop)
             shown = end
     finally:

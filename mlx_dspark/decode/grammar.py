@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..request import RequestError
+from . import grammar_limits as limits
 
 
 def _ll():
@@ -36,20 +37,32 @@ def _ll():
     return llguidance
 
 
+class GrammarError(RequestError):
+    """A grammar llguidance refuses, or one that reaches one of its limits while decoding:
+    its whole message, naming the parameter the grammar came from."""
+
+
 @dataclass(frozen=True)
 class Grammar:
     """What a generation must match: a Lark grammar in llguidance's dialect (``source``,
-    whose ``start`` rule is the whole output) and a ``label`` saying what it came from. Make
-    one with :func:`json_schema`, :func:`json_object`, :func:`tool_calls` or :func:`lark`;
-    ``vocabulary`` is set by :meth:`bind`."""
+    whose ``start`` rule is the whole output), a ``label`` saying what it came from and the
+    ``param`` it came in. Make one with :func:`json_schema`, :func:`json_object`,
+    :func:`tool_calls` or :func:`lark`; ``vocabulary`` and ``compiled`` (the matcher every
+    :class:`Constraint` copies) are set by :meth:`bind`."""
 
     source: str
     label: str
+    param: str = "grammar"
     vocabulary: object = field(default=None, compare=False, repr=False)
+    compiled: object = field(default=None, compare=False, repr=False)
 
     def bind(self, tokenizer, vocab_size: int) -> "Grammar":
-        """This grammar over ``tokenizer``'s tokens (a model vocabulary of ``vocab_size``)."""
-        return replace(self, vocabulary=vocabulary(tokenizer, vocab_size))
+        """This grammar over ``tokenizer``'s tokens (a model vocabulary of ``vocab_size``),
+        compiled (grammar_limits.compiled) and its first mask computed, so that what
+        llguidance refuses is refused here, before any decoding."""
+        vocab = vocabulary(tokenizer, vocab_size)
+        matcher = self._compile(_matcher, self.source, vocab)
+        return replace(self, vocabulary=vocab, compiled=matcher)
 
     def after_thinking(self) -> "Grammar":
         """Free text up to the first ``</think>``, up to 3 blank characters, then this
@@ -59,14 +72,60 @@ class Grammar:
         return replace(self, source="start: think BLANK? answer\n"
                                     "think[lazy]: /(?s:.*)<\\/think>/\n"
                                     "BLANK: /[ \\t\\r\\n]{1,3}/\n" + body,
-                       label=self.label + " after thinking")
+                       label=self.label + " after thinking", vocabulary=None, compiled=None)
+
+    def acceptor(self):
+        """A function of an answer's tokens, given one at a time in order (stop tokens not),
+        saying whether the answer is complete after each: a copy of the compiled matcher,
+        beside the loop's own."""
+        matcher = self.matcher()
+        return lambda token: matcher.consume_token(token) and matcher.is_accepting()
+
+    def matcher(self):
+        """A fresh matcher: a copy of the one :meth:`bind` compiled."""
+        if self.compiled is None:
+            raise RequestError(self.param, "the grammar is not bound to a tokenizer (make "
+                                           "the request with api.make_request)")
+        return self.compiled.deep_copy()
+
+    def _compile(self, work, *args):
+        """``work(*args)`` in a compiler, the size checked first; llguidance's refusal as a
+        GrammarError."""
+        limits.check_size(self.source, self.label, self.param)
+        done = limits.compiled(work, *args, label=self.label, param=self.param)
+        if isinstance(done, str):
+            raise GrammarError(self.param, f"{self.label}: {_whole(done)}")
+        return done
+
+
+def _whole(message: str) -> str:
+    """llguidance's message, every line of it, but the lines of its excerpt of the grammar
+    cut to 200 characters (a schema's grammar is one line as long as the schema) and the
+    mark of what non-verbose errors leave out."""
+    return "\n".join(line if len(line) <= 200 else line[:199] + "…"
+                     for line in message.rstrip().splitlines() if line != "<non-verbose/>")
+
+
+def _validated(source: str, vocab=None) -> str | None:
+    """llguidance's error for ``source`` (None: valid); a compiler's work."""
+    error, messages = _ll().LLMatcher.validate_grammar_with_warnings(
+        source, vocab, limits=limits.parser_limits())
+    return messages[0] if error else None
+
+
+def _matcher(source: str, vocab):
+    """A matcher of ``source`` over ``vocab`` with its first mask computed, or llguidance's
+    error; a compiler's work."""
+    matcher = _ll().LLMatcher(vocab, source, log_level=0, limits=limits.parser_limits())
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return matcher.get_error() if matcher.is_error() else matcher
 
 
 def _checked(source: str, label: str, param: str) -> Grammar:
-    error, messages = _ll().LLMatcher.validate_grammar_with_warnings(source)
-    if error:
-        raise RequestError(param, f"{label}: {messages[0].splitlines()[0]}")
-    return Grammar(source, label)
+    grammar = Grammar(source, label, param)
+    grammar._compile(_validated, source)
+    return grammar
 
 
 # JSON without whitespace ({"a":1,"b":[2,3]}): a small model cannot pad an answer with blanks
@@ -86,12 +145,19 @@ def json_object(param: str = "grammar") -> Grammar:
     return _checked(f"start: {_json({'type': 'object'})}", "JSON object", param)
 
 
-def _json(schema: dict, param: str = "grammar") -> str:
-    """A Lark item matching JSON valid against ``schema``, written compactly."""
+def _json(schema: dict, param: str = "grammar", label: str = "JSON schema") -> str:
+    """A Lark item matching JSON valid against ``schema``, written compactly; a schema within
+    the limits (its size checked before its nesting, which takes a walk through it)."""
     try:
-        return f"%json {json.dumps({**schema, 'x-guidance': _COMPACT})}"
+        text = json.dumps({**schema, "x-guidance": _COMPACT})
+    except RecursionError:      # nested far past the limit, which check_schema names
+        limits.check_schema(schema, label, param)
+        raise
     except (TypeError, ValueError) as e:
         raise RequestError(param, f"a JSON schema must be JSON: {e}") from None
+    limits.check_size(text, label, param)
+    limits.check_schema(schema, label, param)
+    return f"%json {text}"
 
 
 def lark(text: str, param: str = "grammar") -> Grammar:
@@ -131,10 +197,23 @@ def of(value) -> Grammar | None:
 # Nemotron's tool calls:
 #   <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>
 # String values are raw text, as the chat template writes them and tools.typed reads them (no
-# "<", at most maxLength characters, or one of an enum); others are JSON typed by the
-# parameter's schema. Parameters come in the schema's order, the required ones always.
+# "<", within minLength and maxLength characters, or one of an enum); others are JSON typed by
+# the parameter's schema. Parameters come in the schema's order, the required ones always.
+# Whatever a schema says that these rules do not enforce is refused, never dropped.
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
+# Keywords that would hold a call to more than its rules do: refused, never dropped. Any other
+# keyword is enforced, or an annotation (as JSON Schema reads a keyword it does not know). A
+# parameters object's rules allow its declared parameters only, the required ones always.
+_APPLICATORS = {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+                "$recursiveRef"}
+_UNENFORCED_OBJECT = _APPLICATORS | {"enum", "const", "minProperties", "maxProperties",
+                                     "patternProperties", "propertyNames", "dependentRequired",
+                                     "dependentSchemas", "dependencies"}
+# A raw-text parameter's rule holds enum, const and the lengths, not a regular expression.
+_UNENFORCED_TEXT = _APPLICATORS | {"pattern", "format"}
+# tools.read_call reads a value up to the first of these: a value holding one is read cut.
+_CLOSINGS = ("</parameter>", "</function>", "</tool_call>")
 
 
 def tool_calls(tools: list, name: str | None = None, parallel: bool = True,
@@ -153,13 +232,16 @@ def tool_calls(tools: list, name: str | None = None, parallel: bool = True,
         if not functions:
             raise RequestError("tool_choice", f"tool_choice names {name!r}, which is not "
                                               f"among the tools")
+    schemas = [_parameters(f, param) for f in functions]
+    count = sum(len(properties) for properties, _ in schemas)
+    if count > limits.MAX_TOOL_PARAMETERS:
+        raise RequestError(param, f"the tools have {count} parameters, more than the limit "
+                                  f"of {limits.MAX_TOOL_PARAMETERS} for a forced tool call")
     rules, firsts = [], []
-    for i, f in enumerate(functions):
-        if not _NAME.match(f["name"]):
-            raise RequestError(param, f"function name {f['name']!r}: use letters, digits, "
-                                      f"_ . : -")
+    for i, (f, schema) in enumerate(zip(functions, schemas)):
         opening = f"<tool_call>\n<function={f['name']}>\n"
-        rules += [f"f{i}: {json.dumps(opening)} b{i}", *_body_rules(i, f, param)]
+        rules += [f"f{i}: {json.dumps(opening)} b{i}", *_body_rules(i, f["name"], *schema,
+                                                                      param)]
         if opening.startswith(prefix):       # the first call's rest after the prefix
             rest = opening[len(prefix):]
             firsts.append(f"{json.dumps(rest)} b{i}" if rest else f"b{i}")
@@ -172,46 +254,114 @@ def tool_calls(tools: list, name: str | None = None, parallel: bool = True,
     return _checked(text, label, param)
 
 
-def _body_rules(i: int, f: dict, param: str) -> list[str]:
+def _parameters(f: dict, param: str) -> tuple[dict, list]:
+    """A function's parameters (name -> schema) and the required names, checked."""
+    if not _NAME.match(f["name"]):
+        raise RequestError(param, f"function name {f['name']!r}: use letters, digits, _ . : -")
+    where = f"{f['name']}'s parameters"
+    schema = f.get("parameters")
+    schema = {} if schema is None else schema
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise RequestError(param, f"{where} must be a JSON schema of type 'object'")
+    _refuse_unenforced(schema, _UNENFORCED_OBJECT, where, param)
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict) or not all(isinstance(s, dict)
+                                                   for s in properties.values()):
+        raise RequestError(param, f"{where}: 'properties' must map each name to a schema "
+                                  f"object")
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        raise RequestError(param, f"{where}: 'required' must be an array of parameter names, "
+                                  f"not {json.dumps(required)[:60]}")
+    for key in [*properties, *required]:
+        if key not in properties or not _NAME.match(key):
+            raise RequestError(param, f"{where}: {key!r} " + (
+                "is required but not among 'properties'" if key not in properties
+                else "is not a name a call can hold: use letters, digits, _ . : -"))
+    return properties, required
+
+
+def _refuse_unenforced(schema: dict, keywords: set, where: str, param: str):
+    held = sorted(keywords & set(schema))
+    if held:
+        raise RequestError(param, f"{where}: {held[0]!r} is not enforced in a forced tool "
+                                  f"call; leave it out, or let the model choose "
+                                  f"(tool_choice \"auto\")")
+
+
+def _body_rules(i: int, function: str, properties: dict, required: list,
+                param: str) -> list[str]:
     """Rule ``b{i}``: a call's parameters and its closing tags."""
-    schema = f.get("parameters") or {}
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
     parts, rules = [], []
-    for j, (key, spec) in enumerate(props.items()):
-        if not _NAME.match(key):
-            raise RequestError(param, f"{f['name']}: parameter name {key!r}: use letters, "
-                                      f"digits, _ . : -")
-        rule = f"f{i}p{j}"
+    for j, (key, spec) in enumerate(properties.items()):
+        rule, where = f"f{i}p{j}", f"{function}'s parameter {key!r}"
         head = json.dumps(f"<parameter={key}>\n")
         close = json.dumps("\n</parameter>\n")
-        choices = _text_choices(spec)
-        if choices:
-            rules.append(f"{rule}: {head} ({' | '.join(map(json.dumps, choices))}) {close}")
-        elif _is_text(spec):
-            rules.append(f"{rule}: {head} F{i}P{j}")
-            most = spec.get("maxLength")
-            count = f"{{0,{most}}}" if isinstance(most, int) and most >= 0 else "*"
-            rules.append(f"F{i}P{j}: /[^<]{count}\\n<\\/parameter>\\n/")
+        if _is_text(spec, where, param):
+            rules += _text_rules(rule, head, close, spec, where, param)
         else:
-            rules.append(f"{rule}: {head} {_json(spec, param)} {close}")
+            rules.append(f"{rule}: {head} {_json(spec, param, where)} {close}")
         parts.append(rule if key in required else f"{rule}?")
     rules.insert(0, f"b{i}: {' '.join(parts)} \"</function>\\n</tool_call>\"")
     return rules
 
 
-def _is_text(spec) -> bool:
-    """A parameter written as raw text (tools.typed reads it back as written): a string."""
-    return isinstance(spec, dict) and spec.get("type") == "string"
+def _is_text(spec: dict, where: str, param: str) -> bool:
+    """A parameter written as raw text (tools.typed reads it back as written): typed string
+    only. Typed string or something else, a raw text and a JSON value could read alike."""
+    kinds = spec.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if "string" in kinds and len(kinds) > 1:
+        raise RequestError(param, f"{where}: a type of string or {sorted(kinds - {'string'})} "
+                                  f"cannot be told apart in a tool call, whose strings are "
+                                  f"raw text; write anyOf [{{\"type\": \"string\"}}, ...]")
+    return kinds == {"string"}
 
 
-def _text_choices(spec) -> list[str]:
-    """The raw texts a string parameter with an ``enum`` or ``const`` may take."""
-    if not _is_text(spec):
-        return []
-    values = spec["enum"] if isinstance(spec.get("enum"), list) else \
-        [spec["const"]] if "const" in spec else []
-    return [v for v in values if isinstance(v, str) and "<" not in v]
+def _text_rules(rule: str, head: str, close: str, spec: dict, where: str,
+                param: str) -> list[str]:
+    """A raw-text parameter: one of its enum (or const) texts, or text without "<" within
+    its lengths."""
+    _refuse_unenforced(spec, _UNENFORCED_TEXT, where, param)
+    least = _length(spec, "minLength", where, param) or 0
+    most = _length(spec, "maxLength", where, param)
+    if most is not None and least > most:
+        raise RequestError(param, f"{where}: minLength {least} is more than maxLength {most}")
+    if "enum" in spec or "const" in spec:
+        texts = _texts(spec, least, most, where, param)
+        return [f"{rule}: {head} ({' | '.join(map(json.dumps, texts))}) {close}"]
+    count = f"{{{least},{'' if most is None else most}}}"
+    return [f"{rule}: {head} {rule.upper()}",
+            f"{rule.upper()}: /[^<]{count}\\n<\\/parameter>\\n/"]
+
+
+def _length(spec: dict, key: str, where: str, param: str) -> int | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float)
+                                       and value.is_integer()) or value < 0:
+        raise RequestError(param, f"{where}: {key} must be a non-negative integer, not "
+                                  f"{json.dumps(value)}")
+    return int(value)
+
+
+def _texts(spec: dict, least: int, most: int | None, where: str, param: str) -> list[str]:
+    """The texts an enum (and a const) allow a string parameter: its strings within the
+    lengths, each of which must read back whole."""
+    values = spec["enum"] if "enum" in spec else [spec["const"]]
+    if not isinstance(values, list):
+        raise RequestError(param, f"{where}: enum must be an array")
+    texts = [v for v in values if isinstance(v, str) and least <= len(v)
+             and (most is None or len(v) <= most) and spec.get("const", v) == v]
+    if not texts:
+        raise RequestError(param, f"{where}: no string satisfies its type, enum, const and "
+                                  f"lengths at once")
+    for text in texts:
+        closing = next((c for c in _CLOSINGS if c in text), None)
+        if closing is not None:
+            raise RequestError(param, f"{where}: {text!r} holds {closing!r}, which would end "
+                                      f"the value in a tool call")
+    return texts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,24 +395,24 @@ class Constraint:
     into ``-inf`` on the logits (sampling.constrain) of the target and the drafter alike."""
 
     def __init__(self, grammar: Grammar, stop_tokens, vocab_size: int):
-        if grammar.vocabulary is None:
-            raise RequestError("grammar", "the grammar is not bound to a tokenizer "
-                                          "(make the request with api.make_request)")
+        self.matcher = grammar.matcher()     # compiled once, off this thread
         self.stops = sorted(t for t in stop_tokens if t < vocab_size)
         if not self.stops:
             raise RequestError("grammar", "a constrained generation ends on a stop token, and "
                                           "this request has none")
-        self.matcher = _ll().LLMatcher(grammar.vocabulary, grammar.source, log_level=0)
+        self.grammar = grammar
         self.vocab_size = vocab_size
         self.words = np.zeros((grammar.vocabulary.vocab_size + 31) // 32, dtype=np.int32)
         self.drafted = 0         # drafts consumed in this round (rolled back if rejected)
         self.halted = False      # a stop token was drafted: later drafts are never emitted
         self.masks = []          # this round's masks, row j after the first j drafts
-        self._check()
 
     def _check(self):
+        """A limit of llguidance reached while decoding (a lexer or parser step too
+        costly), as a GrammarError with its whole message."""
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar: {self.matcher.get_error().splitlines()[0]}")
+            g = self.grammar
+            raise GrammarError(g.param, f"{g.label}: {_whole(self.matcher.get_error())}")
 
     def bits(self) -> np.ndarray:
         """The next token's allowed set as llguidance's bitmask words, stops set by whether

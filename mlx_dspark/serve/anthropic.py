@@ -27,11 +27,14 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 
 def error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def error_body(e: ApiError) -> dict:
     kind = ERROR_TYPES.get(e.status, "invalid_request_error")
     message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
-    headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
-                        status_code=e.status, headers=headers)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 @dataclass

@@ -28,6 +28,7 @@ from starlette.routing import Route
 # Imported here, on the main thread: mlx_lm imported first on another thread can abort the
 # interpreter at exit ("terminate called without an active exception").
 from .. import api, open_files
+from ..decode.grammar_limits import GrammarBusy
 from ..request import RequestError as RequestValueError
 from ..text.tokenizer import chat_ids, message_boundaries, prompt_ids
 from . import anthropic, logprobs
@@ -135,9 +136,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         else:
             prompt = completion_prompt(body, vocab)
             ids = prompt if isinstance(prompt, list) else await encode(prompt)
-        options.update(constraint_options(body, use))
-        generation = make_request(ids, options, budget, "messages" if kind == "chat"
-                                  else "prompt")
+        generation = await make_request(ids, options, budget, "messages" if kind == "chat"
+                                        else "prompt", lambda: constraint_options(body, use))
         if kind != "chat":
             # a completion is the model's text as written, its thinking and closing tag
             # included: the completions shape has no other place for them
@@ -181,7 +181,11 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             return tuple(await run_in_threadpool(message_boundaries, tokenizer, messages,
                                                  options, ids))
 
-    def make_request(ids: list[int], options: dict, budget: int | None, where: str):
+    async def make_request(ids: list[int], options: dict, budget: int | None, where: str,
+                           constraints=dict):
+        """The Request, once the prompt fits the context: ``constraints()`` (the grammar
+        keywords) and api.make_request, which compiles the grammar, run off the event loop
+        (grammar_limits.compiled bounds the compilation itself)."""
         if limit is not None:
             if len(ids) >= limit:
                 raise ApiError(f"the prompt has {len(ids)} tokens; this model's context "
@@ -189,11 +193,17 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                                "context_length_exceeded")
             options["max_tokens"] = min(options["max_tokens"] or limit, limit - len(ids))
         options["max_tokens"] = options["max_tokens"] or UNLIMITED
-        try:
-            return api.make_request(engine.pair, ids, **options, **fixed,
+
+        def build():
+            return api.make_request(engine.pair, ids, **options, **constraints(), **fixed,
                                     thinking_token_budget=budget)
+        try:
+            return await run_in_threadpool(build)
         except RequestValueError as e:
             raise ApiError(str(e), e.param) from None
+        except GrammarBusy as e:
+            raise ApiError(str(e), status=503, type="server_error", code="server_busy") \
+                from None
 
     async def complete(request: Request, kind: str):
         params, boundaries, space = await read(request, kind)
@@ -205,7 +215,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             async with _cancelled_on_disconnect(request, engine, job):
                 async for what, item in _events(engine, job):
                     if what == "error":
-                        raise ApiError(item, status=500, type="server_error")
+                        raise ApiError.of_failure(item)
                     if what == "logprobs":
                         reply.logprobs = logprobs.openai(kind, item, tokenizer)
                     else:
@@ -222,8 +232,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                     yield _sse(reply.first_piece())
                     first = False
                 if what == "error":
-                    yield _sse({"error": {"message": item, "type": "server_error",
-                                          "param": None, "code": None}})
+                    yield _sse(ApiError.of_failure(item).body())
                     break
                 if what == "logprobs":
                     reply.logprobs = logprobs.openai(kind, item, tokenizer)
@@ -252,8 +261,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             check_model(body, model_ids)
             m = anthropic.read(body)
             ids = await encode(m.messages, m.template, m.use, m.prefill)
-            options = {**m.options, **constraint_options({}, m.use)}   # forced calls
-            params = make_request(ids, options, m.budget, "messages")
+            params = await make_request(ids, dict(m.options), m.budget, "messages",
+                                        lambda: constraint_options({}, m.use))  # forced calls
             stream = bool(_get(body, "stream", (bool,)))
             job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}))
             engine.submit(job)
@@ -264,7 +273,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             async with _cancelled_on_disconnect(request, engine, job):
                 async for what, item in _events(engine, job):
                     if what == "error":
-                        return anthropic.error_response(ApiError(item, status=500))
+                        return anthropic.error_response(ApiError.of_failure(item))
                     reply.add(item)
             return JSONResponse(reply.whole())
 
@@ -276,8 +285,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                     yield anthropic.sse("ping", anthropic.ping(item))
                     continue
                 if what == "error":
-                    yield anthropic.sse("error", {"type": "error", "error": {
-                        "type": "api_error", "message": item}})
+                    yield anthropic.sse("error", anthropic.error_body(ApiError.of_failure(item)))
                     return
                 for name, data in reply.events(reply.add(item)):
                     yield anthropic.sse(name, data)

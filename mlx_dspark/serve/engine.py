@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .. import api
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
-from ..request import NonFiniteLogits, Request
+from ..request import NonFiniteLogits, Request, RequestError
 from . import logprobs
 from .openai import ApiError
 
@@ -42,6 +42,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, item):
+        """Hand ``(kind, item)`` to the handler; an "error" is the reason a generation failed
+        (a str) or a refusal of the request (an ApiError)."""
         try:
             self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
         except RuntimeError:        # the event loop is gone (shutdown): nobody is listening
@@ -157,6 +159,9 @@ class Engine:
                     self._run(job)
             except NonFiniteLogits as e:      # the session reset itself; the reason is news
                 job.emit("error", f"generation failed: {e}")
+            except RequestError as e:         # a grammar past one of llguidance's limits
+                self.session.reset()          # mid-answer: the request's fault, said whole
+                job.emit("error", ApiError(str(e), e.param))
             except Exception as e:
                 log.exception("generation failed")
                 self.session.reset()          # the state may be half-updated

@@ -61,12 +61,23 @@ class ApiError(Exception):
             message, param, code, status, type
 
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def of_failure(cls, item) -> "ApiError":
+        """An engine's error event as the error to send: a refusal (an ApiError) as it is,
+        the reason a generation failed (a str) as a server error."""
+        return item if isinstance(item, ApiError) else cls(item, status=500,
+                                                            type="server_error")
+
+
 def error_response(e: ApiError, cors_origin: str | None = None) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 503 else {}
     if cors_origin is not None:     # an allowed browser origin may read the error
         headers.update({"Access-Control-Allow-Origin": cors_origin, "Vary": "Origin"})
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
-                                   "code": e.code}}, status_code=e.status, headers=headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 # ---------------------------------------------------------------------------------------------
