@@ -168,7 +168,8 @@ def compiled(work, *args, label: str, param: str):
     stack, at most :data:`COMPILERS` at once; a RequestError when it takes longer than
     :data:`COMPILE_SECONDS` (the thread cannot be stopped: it finishes on its own, holding
     its place until then), :class:`GrammarBusy` when no place frees within that time."""
-    if not _places.acquire(timeout=COMPILE_SECONDS):
+    places = _places
+    if not places.acquire(timeout=COMPILE_SECONDS):
         raise GrammarBusy(f"every grammar compiler stayed busy for {COMPILE_SECONDS:g} s; "
                           f"retry later")
     result = concurrent.futures.Future()
@@ -179,12 +180,12 @@ def compiled(work, *args, label: str, param: str):
         except BaseException as e:       # handed to the caller, who raises it
             result.set_exception(e)
         finally:
-            _places.release()
+            places.release()
 
     try:
         _start(run)
     except BaseException:
-        _places.release()
+        places.release()
         raise
     try:
         return result.result(timeout=COMPILE_SECONDS)
