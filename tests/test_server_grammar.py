@@ -123,3 +123,36 @@ def test_a_forced_anthropic_tool_choice_yields_a_tool_use_whose_input_validates(
         reply
     for use in uses:
         jsonschema.validate(use.input, schema)
+
+
+def ref_chain(links: int) -> dict:
+    defs = {f"node{i}": {"type": "object", "required": ["next"],
+                         "properties": {"next": {"$ref": f"#/$defs/node{i + 1}"}}}
+            for i in range(links)}
+    defs[f"node{links}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/node0"}
+
+
+# Last in this module: before the limits, the first of these killed the server (SIGSEGV in
+# llguidance, on the event loop) and every test after it with it. 1500 links (~160 KB): the
+# issue saw the crash at ~920; on this Linux machine the event loop's 8 MiB stack held 920
+# and not 1500.
+CHAIN = ref_chain(1500)
+CHAINS = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "chain", "schema": CHAIN}}}),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": CHAIN}}}}],
+        "tool_choice": "required"}),
+    ("/v1/messages", {"tools": [{"name": "f", "input_schema": {
+        "type": "object", "properties": {"x": CHAIN}}}], "tool_choice": {"type": "any"}}),
+]
+
+
+def test_a_ref_chain_past_the_limit_is_a_400_and_the_server_lives_on(server):
+    for path, body in CHAINS:
+        r = httpx.post(server + path, timeout=30,
+                       json={"messages": MESSAGES, "max_tokens": 4, **body})
+        assert r.status_code == 400, r.text
+        assert "with its $refs followed" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
