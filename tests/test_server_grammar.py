@@ -1,6 +1,7 @@
 """`response_format` and forced `tool_choice` through a real `mlx-dspark serve` process and the
 official `openai` client: the answers parse and validate, and equal `generate()` in this
-process with the same grammar (the server's speculative path is the library's)."""
+process with the same grammar (the server's speculative path is the library's); a `$ref`
+chain past the limits is a 400 and the process lives on."""
 
 from __future__ import annotations
 
