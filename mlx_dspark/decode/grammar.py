@@ -272,11 +272,14 @@ def _parameters(f: dict, param: str) -> tuple[dict, list]:
     if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
         raise RequestError(param, f"{where}: 'required' must be an array of parameter names, "
                                   f"not {json.dumps(required)[:60]}")
-    for key in [*properties, *required]:
-        if key not in properties or not _NAME.match(key):
-            raise RequestError(param, f"{where}: {key!r} " + (
-                "is required but not among 'properties'" if key not in properties
-                else "is not a name a call can hold: use letters, digits, _ . : -"))
+    for key in properties:
+        if not _NAME.match(key):
+            raise RequestError(param, f"{where}: parameter name {key!r}: use letters, digits, "
+                                      f"_ . : -")
+    for key in required:
+        if key not in properties:
+            raise RequestError(param, f"{where}: {key!r} is required but not among "
+                                      f"'properties'")
     return properties, required
 
 

@@ -15,13 +15,14 @@ and while it runs (:func:`compiled`):
 * on a thread of its own whose stack (:data:`STACK_BYTES`) holds more recursion than any text
   within the size limit can cause (the ``$ref`` bound is the clear message, the stack the
   guarantee), at most :data:`COMPILERS` at once, for at most :data:`COMPILE_SECONDS`, under
-  :func:`parser_limits`: llguidance's own bounds on lexer states and grammar symbols, the memory a
-  matcher may hold."""
+  :func:`parser_limits`: llguidance's own bounds on lexer states and grammar symbols, the
+  memory a matcher may hold."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import threading
 from urllib.parse import unquote
 
@@ -64,21 +65,21 @@ def check_size(source: str, label: str, param: str):
 def check_schema(schema, label: str, param: str):
     """Refuse a JSON schema that nests deeper than the limits, as written or with its
     ``$ref``s followed."""
-    edges, depth = _graph(schema)
+    edges, depth, refs = _graph(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise RequestError(param, f"{label}: the schema nests {depth} levels deep, more than "
                                   f"the limit of {MAX_SCHEMA_DEPTH}")
-    resolved = _deepest(edges)
+    resolved = _deepest(edges) if refs else depth
     if resolved > MAX_RESOLVED_DEPTH:
         raise RequestError(param, f"{label}: with its $refs followed the schema nests "
                                   f"{resolved} levels deep, more than the limit of "
                                   f"{MAX_RESOLVED_DEPTH}")
 
 
-def _graph(schema) -> tuple[list[list[int]], int]:
+def _graph(schema) -> tuple[list[list[int]], int, int]:
     """The arrays and objects of ``schema`` as a graph, node 0 the schema itself: the edges
     from each to its members and, for an object whose ``$ref`` names a place in this document
-    (``#/...``), to that place; and how deep they nest as written."""
+    (``#/...``), to that place; how deep they nest as written; how many such ``$ref``s."""
     nodes, index, depths = [schema], {id(schema): 0}, [1]
     edges: list[list[int]] = [[]]
     for i, node in enumerate(nodes):          # breadth first: the list grows as it is read
@@ -91,12 +92,14 @@ def _graph(schema) -> tuple[list[list[int]], int]:
                 depths.append(depths[i] + 1)
                 edges.append([])
             edges[i].append(index[id(value)])
+    refs = 0
     for i, node in enumerate(nodes):
         ref = node.get("$ref") if isinstance(node, dict) else None
         target = _pointed(schema, ref) if isinstance(ref, str) else None
         if target is not None:
             edges[i].append(index[id(target)])
-    return edges, max(depths)
+            refs += 1
+    return edges, max(depths), refs
 
 
 def _pointed(schema, ref: str):
@@ -125,26 +128,25 @@ def _deepest(edges: list[list[int]]) -> int:
     per path, whatever order it takes. Tarjan's strongly connected components, iteratively
     (no Python recursion to exhaust); each group is closed after every group it reaches, so
     its depth is its size plus the deepest of those."""
-    order, low = [-1] * len(edges), [0] * len(edges)
-    group = [-1] * len(edges)
+    order, low, group = [-1] * len(edges), [0] * len(edges), [-1] * len(edges)
     group_depth: list[int] = []
-    stack, on_stack = [], [False] * len(edges)
-    work = [(0, 0)]
-    order[0] = low[0] = 0
-    stack.append(0)
-    on_stack[0] = True
-    seen = 1
+    stack, on_stack, work = [], [False] * len(edges), []
+    entered = itertools.count()
+
+    def enter(v: int):
+        order[v] = low[v] = next(entered)
+        stack.append(v)
+        on_stack[v] = True
+        work.append((v, 0))
+
+    enter(0)
     while work:
         v, k = work[-1]
         if k < len(edges[v]):
             work[-1] = (v, k + 1)
             w = edges[v][k]
             if order[w] < 0:
-                order[w] = low[w] = seen
-                seen += 1
-                stack.append(w)
-                on_stack[w] = True
-                work.append((w, 0))
+                enter(w)
             elif on_stack[w]:
                 low[v] = min(low[v], order[w])
             continue

@@ -60,7 +60,6 @@ class ApiError(Exception):
         self.message, self.param, self.code, self.status, self.type = \
             message, param, code, status, type
 
-
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
