@@ -20,6 +20,9 @@ import time
 from .. import api
 from ..stats import format_positions
 from .common import CommandError, flag_error, load_pair
+from .measure import SPREAD, ranged
+
+F1 = "{:.1f}"
 
 # Short prompts written for this benchmark. Code prompts are completions (the demo pair is a
 # code model); math and chat prompts go through the chat template when the model has one.
@@ -166,10 +169,7 @@ def measure(pair, prompts, args) -> dict:
     bytes_per_token = weight_bytes_per_token(pair.target)
     return {
         "machine": machine(),
-        "settings": {"max_tokens": args.max_tokens, "num_draft": args.num_draft,
-                     "repeats": args.repeats, "temperature": args.temp, "top_p": args.top_p,
-                     "sampling": args.sampling,
-                     "dtype": str(getattr(pair.target, "dtype", "")).replace("mlx.core.", "")},
+        "settings": _settings(pair, args, args.num_draft),
         "prompts": rows,
         "domains": domains,
         "overall": overall,
@@ -179,6 +179,12 @@ def measure(pair, prompts, args) -> dict:
             "memcpy_gb_per_s": memcpy_bandwidth() / 1e9,
         },
     }
+
+
+def _settings(pair, args, num_draft) -> dict:
+    return {"max_tokens": args.max_tokens, "num_draft": num_draft, "repeats": args.repeats,
+            "temperature": args.temp, "top_p": args.top_p, "sampling": args.sampling,
+            "dtype": str(getattr(pair.target, "dtype", "")).replace("mlx.core.", "")}
 
 
 def _label(name, args) -> str:
@@ -285,40 +291,10 @@ def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
                             "draft_ms": draft, "verify_ms": verify, **r})
     return {
         "machine": machine(),
-        "settings": {"max_tokens": args.max_tokens, "num_draft": num_drafts,
-                     "repeats": args.repeats, "temperature": args.temp, "top_p": args.top_p,
-                     "sampling": args.sampling,
-                     "dtype": str(getattr(pair.target, "dtype", "")).replace("mlx.core.", "")},
+        "settings": _settings(pair, args, num_drafts),
         "drafters": {label: getattr(d, "gate_report", None) for label, d in drafters.items()},
         "results": results,
     }
-
-
-def compare_table(report: dict) -> str:
-    m, s = report["machine"], report["settings"]
-    lines = [
-        f"mlx-dspark bench: {report['model']} with {', '.join(report['drafters'])}, "
-        f"{_sampling(s)}, {s['max_tokens']} tokens per prompt, {s['dtype']}, median of "
-        f"{s['repeats']}",
-        _machine_line(m),
-        "tau: tokens per round; c: a proposal, verify: a verify of N+1 tokens, each timed "
-        "alone, in serial steps; predicted: the cost model's speedup from the rounds' "
-        "measured parts",
-        "",
-        f"{'domain':7}{'drafter':>10}{'N':>3}{'serial':>9}{'spec.':>9}{'tau':>6}{'c':>6}"
-        f"{'verify':>7}{'predicted':>10}{'measured':>9}{'auto':>9}{'auto':>7}{'same':>6}",
-        f"{'':7}{'':>10}{'':>3}{'tok/s':>9}{'tok/s':>9}{'':>6}{'':>6}{'':>7}{'':>10}{'':>9}"
-        f"{'tok/s':>9}{'x':>7}{'':>6}",
-    ]
-    for r in report["results"]:
-        t = r["tokens_per_s"]
-        lines.append(
-            f"{r['domain']:7}{r['drafter'][-10:]:>10}{r['num_draft']:>3}{t['serial']:>9.1f}"
-            f"{t['speculative']:>9.1f}{r['mean_tokens_per_round']:>6.2f}{r['draft_cost']:>6.2f}"
-            f"{r['verify_cost']:>7.2f}{_x(r['predicted_speedup']):>10}{_x(r['speedup']):>9}"
-            f"{t['auto']:>9.1f}{_x(r['auto_vs_serial']):>7}"
-            f"{str(r['same_tokens']) + '/' + str(r['prompts']):>6}")
-    return "\n".join(lines)
 
 
 def weight_bytes_per_token(target) -> int:
@@ -368,42 +344,120 @@ def machine() -> dict:
 # Reporting
 
 
+def _title(report: dict, who: str, per_round: str = "") -> list[str]:
+    s, r = report["settings"], report["settings"]["repeats"]
+    spread = (f"each figure: the median of {r} repeats [{SPREAD}]; ratios paired per repeat"
+              if r > 1 else "each figure from one repeat: no spread, so no mode is called "
+              "faster (--repeats 3 or more)")
+    return [f"mlx-dspark bench: {report['model']} {who}, {_sampling(s)}, {s['max_tokens']} "
+            f"tokens per prompt, {per_round}{s['dtype']}", spread,
+            _machine_line(report["machine"]), ""]
+
+
+def _against(name: str, d: dict) -> str:
+    """What the spread lets one say about ``name`` ("speculative", "auto") against serial."""
+    v = d["verdict"][name]
+    if v == "within noise":
+        return f"within noise: serial and {name} differ by less than their spread"
+    if v == "one repeat":
+        return "one repeat: no spread, no verdict"
+    return f"{name} is {v} than serial, beyond the spread"
+
+
+def auto_lines(d: dict) -> list[str]:
+    """What "auto" did (its tokens from serial steps and from rounds, its probes and switches)
+    and how that compares with the faster fixed mode, if the spread shows one."""
+    a, share = d["auto_did"], d["auto_speculative_share"]
+    ran = "speculative" if share > 0.5 else "serial"
+    mostly = "only" if share in (0.0, 1.0) else "mostly"
+    fixed = d["verdict"]["speculative"]
+    if fixed in ("faster", "slower"):
+        faster = "speculative" if fixed == "faster" else "serial"
+        judged = ("the faster mode in this run" if ran == faster
+                  else f"while {faster} was the faster mode in this run")
+    elif fixed == "within noise":
+        judged = "and serial and speculative are within noise here: neither is the faster mode"
+    else:
+        judged = "and one repeat cannot tell which mode is faster"
+    rounds = f"{a['rounds']} rounds, {a['probe_rounds']} of them probes" if a["rounds"] \
+        else "none"
+    return [f"auto: {_pct(1 - share)} of its {a['tokens']} tokens from serial steps, "
+            f"{_pct(share)} from speculative rounds ({rounds}), {a['switches']} switches in "
+            f"{a['generations']} generations",
+            f"auto ran {mostly} {ran}, {judged}; its speed "
+            f"{ranged(d['auto_vs_serial'], d['spread']['auto_vs_serial'])} serial's: "
+            f"{_against('auto', d)}"]
+
+
 def table(report: dict) -> str:
-    m, s = report["machine"], report["settings"]
-    lines = [
-        f"mlx-dspark bench: {report['model']} + {report['drafter']}, {_sampling(s)}, "
-        f"{s['max_tokens']} tokens per prompt, {s['num_draft']} drafts per round, "
-        f"{s['dtype']}, median of {s['repeats']}",
-        _machine_line(m),
-        "",
-        f"{'domain':8}{'prompts':>8}{'serial':>9}{'spec.':>9}{'speedup':>9}{'auto':>9}"
-        f"{'speedup':>9}{'tokens':>8}  acceptance",
-        f"{'':8}{'':>8}{'tok/s':>9}{'tok/s':>9}{'':>9}{'tok/s':>9}{'':>9}{'/round':>8}"
-        f"  by position",
-    ]
-    for name, d in [*report["domains"].items(), ("all", report["overall"])]:
-        t = d["tokens_per_s"]
-        lines.append(
-            f"{name:8}{d['prompts']:>8}{t['serial']:>9.1f}{t['speculative']:>9.1f}"
-            f"{_x(d['speedup']):>9}{t['auto']:>9.1f}{_x(d['auto_vs_serial']):>9}"
-            f"{d['mean_tokens_per_round']:>8.2f}  {format_positions(d['acceptance_by_position'])}")
+    s = report["settings"]
+    lines = _title(report, f"+ {report['drafter']}", f"{s['num_draft']} drafts per round, ") + [
+        f"{'decode':8}{'prompts':>8}{'serial':>21}{'speculative':>21}{'auto':>21}{'tokens':>8}"
+        f"  acceptance", f"{'tok/s':8}{'':>8}{'':>21}{'':>21}{'':>21}{'/round':>8}  by position"]
+    rows = [*report["domains"].items(), ("all", report["overall"])]
+    for name, d in rows:
+        t, sp = d["tokens_per_s"], d["spread"]["tokens_per_s"]
+        lines.append(f"{name:8}{d['prompts']:>8}" + "".join(
+            f"{ranged(t[m], sp[m], F1):>21}" for m in ("serial", "speculative", "auto"))
+            + f"{d['mean_tokens_per_round']:>8.2f}  "
+              f"{format_positions(d['acceptance_by_position'])}")
+    lines += ["", f"{'against':8}{'speculative':>19}{'':>14}{'auto':>19}",
+              f"{'serial':8}{'/ serial':>19}{'verdict':>14}{'/ serial':>19}{'verdict':>14}"]
+    for name, d in rows:
+        sp = d["spread"]
+        lines.append(f"{name:8}{ranged(d['speedup'], sp['speedup']):>19}"
+                     f"{d['verdict']['speculative']:>14}"
+                     f"{ranged(d['auto_vs_serial'], sp['auto_vs_serial']):>19}"
+                     f"{d['verdict']['auto']:>14}")
     o, b = report["overall"], report["bandwidth"]
-    ms = o["round_ms"]
+    lines += ["", f"{'prompt':12}{'prefill':>21}{'first token':>21}{'peak memory':>21}",
+              f"{'(all)':12}{'tok/s':>21}{'ms':>21}{'GB (MLX)':>21}"]
+    for mode in ("serial", "speculative", "auto"):
+        sp = o["spread"]
+        lines.append(
+            f"{mode:12}" + "".join(f"{ranged(o[k][mode], sp[k][mode], f):>21}" for k, f in (
+                ("prefill_tokens_per_s", F1), ("ttft_ms", F1), ("peak_memory_gb", "{:.3f}"))))
+    ms, sp = o["round_ms"], o["spread"]
     lines += [
         "",
+        f"speculative vs serial: {ranged(o['speedup'], sp['speedup'])}, "
+        f"{_against('speculative', o)}",
         f"speculative round: draft {ms['draft']:.2f} ms, verify {ms['verify']:.2f} ms, rollback "
         f"{ms['rollback']:.2f} ms, overhead {o['overhead_ms_per_round']:.2f} ms "
-        f"(serial step {o['serial_step_ms']:.2f} ms)",
-        f"cost model: predicted speedup {_x(o['predicted_speedup'])}, measured "
-        f"{_x(o['speedup'])} (efficiency {_pct(o['efficiency'])})",
-        f"auto: speculated for {_pct(o['auto_speculative_share'])} of the tokens, "
-        f"{'picked' if o['auto_picked_faster'] else 'did not pick'} the faster mode "
-        f"({_pct(o['auto_vs_best'])} of its speed)",
+        f"(serial step {ranged(o['serial_step_ms'], sp['serial_step_ms'], '{:.2f}')} ms)",
+        f"cost model: predicted speedup {ranged(o['predicted_speedup'], sp['predicted_speedup'])}"
+        f", measured {ranged(o['speedup'], sp['speedup'])} (efficiency "
+        f"{ranged(o['efficiency'], sp['efficiency'], '{:.2f}')})",
+        *auto_lines(o),
         f"serial: {b['weight_bytes_per_token'] / 1e6:.2f} MB of weights per token x "
         f"{o['tokens_per_s']['serial']:.1f} tokens/s = {b['serial_gb_per_s']:.2f} GB/s, against "
         f"{b['memcpy_gb_per_s']:.1f} GB/s memory-copy bandwidth",
         f"outputs identical in all three modes: {o['same_tokens']}/{o['prompts']} prompts",
     ]
+    return "\n".join(lines)
+
+
+def compare_table(report: dict) -> str:
+    lines = _title(report, f"with {', '.join(report['drafters'])}") + [
+        "tau: tokens per round; c: a proposal, verify: a verify of N+1 tokens, each timed "
+        "alone, in serial steps; predicted: the cost model's speedup from the rounds' "
+        "measured parts",
+        "",
+        f"{'domain':7}{'drafter':>10}{'N':>3}{'serial':>9}{'spec.':>9}{'tau':>6}{'c':>6}"
+        f"{'verify':>7}{'predicted':>10}{'measured':>19}{'spec. vs':>14}{'auto':>9}{'auto':>19}"
+        f"{'same':>6}",
+        f"{'':7}{'':>10}{'':>3}{'tok/s':>9}{'tok/s':>9}{'':>6}{'':>6}{'':>7}{'':>10}{'':>19}"
+        f"{'serial':>14}{'tok/s':>9}{'x':>19}{'':>6}",
+    ]
+    for r in report["results"]:
+        t, sp = r["tokens_per_s"], r["spread"]
+        lines.append(
+            f"{r['domain']:7}{r['drafter'][-10:]:>10}{r['num_draft']:>3}{t['serial']:>9.1f}"
+            f"{t['speculative']:>9.1f}{r['mean_tokens_per_round']:>6.2f}{r['draft_cost']:>6.2f}"
+            f"{r['verify_cost']:>7.2f}{ranged(r['predicted_speedup'], None):>10}"
+            f"{ranged(r['speedup'], sp['speedup']):>19}{r['verdict']['speculative']:>14}"
+            f"{t['auto']:>9.1f}{ranged(r['auto_vs_serial'], sp['auto_vs_serial']):>19}"
+            f"{str(r['same_tokens']) + '/' + str(r['prompts']):>6}")
     return "\n".join(lines)
 
 
@@ -436,19 +490,19 @@ def plot(report: dict, path: str):
     names = [*report["domains"], "all"]
     rows = [report["domains"].get(n, report["overall"]) for n in names]
     xs = range(len(names))
-    right.bar([x - 0.2 for x in xs], [r["speedup"] for r in rows], 0.4, label="speculative")
-    right.bar([x + 0.2 for x in xs], [r["auto_vs_serial"] for r in rows], 0.4, label="auto")
+    for shift, key, label in ((-0.2, "speedup", "speculative"), (0.2, "auto_vs_serial", "auto")):
+        values = [r[key] for r in rows]       # whiskers: min-max over the repeats
+        whiskers = [[v - r["spread"][key][0] for v, r in zip(values, rows)],
+                    [r["spread"][key][1] - v for v, r in zip(values, rows)]]
+        right.bar([x + shift for x in xs], values, 0.4, yerr=whiskers, capsize=3, label=label)
     right.axhline(1.0, color="gray", linewidth=1)
-    right.set(title="speedup over serial", xticks=list(xs), xticklabels=names)
+    right.set(title=f"speedup over serial (median, {SPREAD})", xticks=list(xs),
+              xticklabels=names)
     right.legend()
     m = report["machine"]
     fig.suptitle(f"{report['model']} on {m['system']} {m['machine']} ({m['device']})")
     fig.tight_layout()
     fig.savefig(path)
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def _pct(v) -> str:

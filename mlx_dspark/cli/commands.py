@@ -224,8 +224,10 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
     add_scheme_argument(p, default="rejection")
-    p.add_argument("--repeats", type=_positive, default=1, metavar="R",
-                   help="runs per prompt and mode; the median is reported (default 1)")
+    p.add_argument("--repeats", type=_positive, default=3, metavar="R",
+                   help="runs per prompt and mode; the median and the min-max over them are "
+                        "reported, and a spread wider than a difference is called noise "
+                        "(default 3)")
     p.add_argument("--domains", metavar="LIST",
                    help="comma-separated subset of the prompt domains (code,math,chat)")
     p.add_argument("--limit", type=_positive, metavar="N", help="at most N prompts per domain")
