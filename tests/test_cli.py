@@ -218,12 +218,12 @@ def test_generate_reads_stdin_and_streams_the_api_text(pair, pair_dirs):
 def test_bench_json_has_the_documented_fields(pair):
     p = run("bench", *pair, "--json", "--limit", "1", "--max-tokens", "8")
     assert p.returncode == 0, p.stderr
-    assert "bench: warming up" in p.stderr and "[3/3]" in p.stderr   # progress on stderr
+    assert "bench: warming up" in p.stderr and "[9/9]" in p.stderr   # progress on stderr
     r = json.loads(p.stdout)
     assert set(r) == {"machine", "settings", "prompts", "domains", "overall", "bandwidth",
                       "model", "drafter"}
-    assert set(r["machine"]) == {"system", "machine", "cpu_count", "mlx", "device"}
-    assert r["settings"] == {"max_tokens": 8, "num_draft": 3, "repeats": 1, "temperature": 0.0,
+    assert set(r["machine"]) == {"system", "machine", "cpu_count", "mlx", "device", "blas"}
+    assert r["settings"] == {"max_tokens": 8, "num_draft": 3, "repeats": 3, "temperature": 0.0,
                              "top_p": 1.0, "sampling": "rejection", "dtype": "float32"}
     assert [row["domain"] for row in r["prompts"]] == ["code", "math", "chat"]
     assert set(r["domains"]) == {"code", "math", "chat"}
@@ -231,16 +231,31 @@ def test_bench_json_has_the_documented_fields(pair):
     for s in summaries:
         assert set(s) >= {"prompts", "same_tokens", "tokens_per_s", "speedup",
                           "predicted_speedup", "efficiency", "auto_vs_serial", "auto_vs_best",
-                          "auto_speculative_share", "auto_picked_faster",
+                          "auto_speculative_share", "auto_picked_faster", "auto_did",
                           "mean_tokens_per_round", "acceptance_by_position", "serial_step_ms",
-                          "round_ms", "overhead_ms_per_round", "overhead_share"}
-        t = s["tokens_per_s"]
+                          "round_ms", "overhead_ms_per_round", "overhead_share", "spread",
+                          "verdict", "prefill_tokens_per_s", "ttft_ms", "peak_memory_gb"}
+        t, sp = s["tokens_per_s"], s["spread"]
         assert set(t) == {"serial", "speculative", "auto"} and min(t.values()) > 0
-        assert s["speedup"] == pytest.approx(t["speculative"] / t["serial"])
+        assert sp["kind"] == "min-max over the repeats" and sp["repeats"] == 3
+        for key in ("tokens_per_s", "prefill_tokens_per_s", "ttft_ms", "peak_memory_gb"):
+            for m, v in s[key].items():
+                assert 0 < sp[key][m][0] <= v <= sp[key][m][1], (key, m)
+        for key in ("speedup", "auto_vs_serial", "efficiency"):
+            assert 0 < sp[key][0] <= s[key] <= sp[key][1], key
+        # the verdict: a winner only where the paired ratios' spread is narrower than the gap
+        for mode, ratio in (("speculative", "speedup"), ("auto", "auto_vs_serial")):
+            lo, hi = sp[ratio]
+            want = ("within noise" if abs(s[ratio] - 1) <= hi - lo
+                    else "faster" if s[ratio] > 1 else "slower")
+            assert s["verdict"][mode] == want
+        assert s["auto_picked_faster"] in (True, False, None)
+        assert s["auto_did"]["generations"] == 3 * s["prompts"]
         assert len(s["acceptance_by_position"]) == 3
         assert set(s["round_ms"]) == {"draft", "verify", "rollback", "round"}
         # lossless: greedy speculative output is serial output, token for token (fp32)
         assert s["same_tokens"] == s["prompts"]
+        assert s["peak_memory_gb"]["serial"] * 1e9 > r["bandwidth"]["weight_bytes_per_token"]
     assert r["overall"]["prompts"] == 3
     assert all(row["prompt_tokens"] > 0 for row in r["prompts"])
     b = r["bandwidth"]

@@ -335,9 +335,11 @@ def machine() -> dict:
 
     import mlx.core as mx
 
+    preloaded = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":") if "blas" in lib]
     return {"system": platform.system(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": mx.__version__,
-            "device": str(mx.default_device().type).removeprefix("DeviceType.")}
+            "device": str(mx.default_device().type).removeprefix("DeviceType."),
+            "blas": " ".join(preloaded) + " (preloaded)" if preloaded else "MLX's own"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,13 +412,17 @@ def table(report: dict) -> str:
                      f"{ranged(d['auto_vs_serial'], sp['auto_vs_serial']):>19}"
                      f"{d['verdict']['auto']:>14}")
     o, b = report["overall"], report["bandwidth"]
+    unit, k = ("GB", 1) if max(v or 0 for v in o["peak_memory_gb"].values()) >= 1 else ("MB", 1e3)
     lines += ["", f"{'prompt':12}{'prefill':>21}{'first token':>21}{'peak memory':>21}",
-              f"{'(all)':12}{'tok/s':>21}{'ms':>21}{'GB (MLX)':>21}"]
+              f"{'(all)':12}{'tok/s':>21}{'ms':>21}{unit + ' (MLX)':>21}"]
     for mode in ("serial", "speculative", "auto"):
         sp = o["spread"]
-        lines.append(
-            f"{mode:12}" + "".join(f"{ranged(o[k][mode], sp[k][mode], f):>21}" for k, f in (
-                ("prefill_tokens_per_s", F1), ("ttft_ms", F1), ("peak_memory_gb", "{:.3f}"))))
+        peak, span = o["peak_memory_gb"][mode], sp["peak_memory_gb"][mode]
+        cells = [ranged(o["prefill_tokens_per_s"][mode], sp["prefill_tokens_per_s"][mode], F1),
+                 ranged(o["ttft_ms"][mode], sp["ttft_ms"][mode], F1),
+                 ranged(peak and peak * k, span and [v * k for v in span],
+                        "{:.3f}" if unit == "GB" else F1)]
+        lines.append(f"{mode:12}" + "".join(f"{c:>21}" for c in cells))
     ms, sp = o["round_ms"], o["spread"]
     lines += [
         "",
@@ -463,7 +469,7 @@ def compare_table(report: dict) -> str:
 
 def _machine_line(m: dict) -> str:
     return (f"machine: {m['system']} {m['machine']}, {m['cpu_count']} cores, MLX {m['mlx']} "
-            f"({m['device']})")
+            f"({m['device']}), BLAS: {m.get('blas', '?')}")
 
 
 def _sampling(settings: dict) -> str:

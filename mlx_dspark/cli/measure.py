@@ -3,9 +3,9 @@
 For each repeat, every prompt is decoded serially, speculatively and with "auto", interleaved,
 so that load drifts on the machine hit all three alike. A warm-up pass comes first; each figure
 is the median over the repeats with its min-max spread, ratios paired per repeat (a mode's rate
-over serial's in the same repeat), and a mode is called faster or slower than serial only when its
-median ratio is further from 1 than the ratios' spread is wide (:func:`verdict`). From the speculative runs' measured parts the cost model of
-docs/design.md §8 predicts the speedup,
+over serial's in the same repeat), and a mode is called faster or slower than serial only when
+its median ratio is further from 1 than the ratios' spread is wide (:func:`verdict`). From the
+speculative runs' measured parts the cost model of docs/design.md §8 predicts the speedup,
 
     predicted = decode_tokens * t_step / (rounds * (t_draft + t_verify + t_rollback)
                                           + serial_steps * t_step)
@@ -31,8 +31,9 @@ MODES = {"serial": "off", "speculative": "on", "auto": "auto"}   # bench's name 
 
 def run_once(target, drafter, request: Request, home=None) -> tuple[list[int], Stats]:
     """Decode ``request`` on a fresh session (without the drafter when the request never
-    speculates, as ``generate()`` does), MLX's peak memory reset before and read after. ``home`` keeps "auto"'s controller between calls:
-    the pair, as successive ``generate()`` calls do; None learns from nothing."""
+    speculates, as ``generate()`` does), MLX's peak memory reset before and read after.
+    ``home`` keeps "auto"'s controller between calls: the pair, as successive ``generate()``
+    calls do; None learns from nothing."""
     stats = Stats()
     mx.reset_peak_memory()          # this run's peak: weights, caches and activations
     session = Session(target, drafter if request.speculative != "off" else None, home=home)
