@@ -502,7 +502,7 @@ def plot(report: dict, path: str):
                     [r["spread"][key][1] - v for v, r in zip(values, rows)]]
         right.bar([x + shift for x in xs], values, 0.4, yerr=whiskers, capsize=3, label=label)
     right.axhline(1.0, color="gray", linewidth=1)
-    right.set(title=f"speedup over serial (median, {SPREAD})", xticks=list(xs),
+    right.set(title=f"speedup over serial\n(median, {SPREAD})", xticks=list(xs),
               xticklabels=names)
     right.legend()
     m = report["machine"]
