@@ -129,7 +129,7 @@ def test_auto_that_ran_serially_while_speculation_was_faster_says_that():
                              "switches": 1, "generations": 3}
     lines = bench.auto_lines(o)
     assert lines[0] == ("auto: 98% of its 192 tokens from serial steps, 2% from speculative "
-                        "rounds (2 rounds, 2 of them probes), 1 switches in 3 generations")
+                        "rounds (2 rounds, 2 of them probes), 1 switch in 3 generations")
     assert lines[1].startswith("auto ran mostly serial, while speculative was the faster mode "
                                "in this run")
     # and when serial was the faster one, running serially is named as the right choice

@@ -384,8 +384,8 @@ def auto_lines(d: dict) -> list[str]:
     rounds = f"{a['rounds']} rounds, {a['probe_rounds']} of them probes" if a["rounds"] \
         else "none"
     return [f"auto: {_pct(1 - share)} of its {a['tokens']} tokens from serial steps, "
-            f"{_pct(share)} from speculative rounds ({rounds}), {a['switches']} switches in "
-            f"{a['generations']} generations",
+            f"{_pct(share)} from speculative rounds ({rounds}), {a['switches']} "
+            f"switch{'' if a['switches'] == 1 else 'es'} in {a['generations']} generations",
             f"auto ran {mostly} {ran}, {judged}; its speed "
             f"{ranged(d['auto_vs_serial'], d['spread']['auto_vs_serial'])} serial's: "
             f"{_against('auto', d)}"]
