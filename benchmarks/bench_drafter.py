@@ -27,7 +27,7 @@ import time
 
 import mlx.core as mx
 
-from mlx_dspark.drafters.dspark import Drafter
+from mlx_dspark.drafters.dspark import DSparkDrafter
 from mlx_dspark.drafters.config import parse_config
 from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 
@@ -191,8 +191,8 @@ def main():
 
     log("building the drafter")
     cfg = parse_config(DRAFTER)
-    drafter = Drafter(cfg, drafter_weights(cfg), target, dtype, share_embedding=True,
-                      nvfp4=args.nvfp4)
+    drafter = DSparkDrafter(cfg, drafter_weights(cfg), target, dtype, share_embedding=True,
+                            nvfp4=args.nvfp4)
     mx.eval(drafter.parameters())
     context = drafter.make_cache()       # the drafter's context, as a decoding session holds it
     drafter.add_context(mx.random.normal((args.context, H * 6)).astype(dtype), 0, context)

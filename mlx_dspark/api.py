@@ -164,22 +164,19 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     (docs/prompt-cache.md)."""
     from .checkpoint import hub
     from .checkpoint.memory import check_fits
-    from .drafters import load_drafter
+    from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
     from .models.nemotron_h import compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
 
     if model is None:
-        model = DEMO / "target"
-        drafter = demo_drafter(drafter)
-    elif drafter in ("dspark", "eagle3"):
-        raise FileNotFoundError(f"--drafter {drafter} names the embedded demo drafter, which "
-                                f"goes with the demo target only; pass the converted "
-                                f"drafter's directory")
+        model, drafter = DEMO / "target", locate(drafter or DEFAULT_DEMO, DEMO)
+    elif drafter is not None:
+        drafter = locate(drafter)   # a demo drafter's name without the demo target: refused
     check_level(verify)
     check_sources(model, drafter)
     dtype = compute_dtype(dtype)
     model = hub.resolve(model)
-    if drafter is not None and drafter != "mtp":
+    if drafter is not None and not of_target(drafter):
         drafter = hub.resolve(drafter)
     read_target_config(model)     # a drafter or another architecture: said before anything
     if memory_check:
@@ -189,8 +186,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
                 tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
-                receipts=(receipt_hash(model), f"mtp:{receipt_hash(model)}" if drafter == "mtp"
-                          else receipt_hash(drafter)))
+                receipts=(receipt_hash(model), f"{drafter}:{receipt_hash(model)}"
+                          if of_target(drafter) else receipt_hash(drafter)))
     if prompt_cache_dir is not None:
         from .prompt_cache.cache import PromptCache
         from .prompt_cache.disk import open_store
@@ -240,14 +237,10 @@ def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
     """One more drafter for ``pair``'s target (``bench --drafter A --drafter B``), named as
     :func:`load` names one (``demo``: the pair is the embedded demo pair)."""
     from .checkpoint import hub
-    from .drafters import load_drafter
+    from .drafters import load_drafter, locate, of_target
 
-    if demo:
-        name = demo_drafter(name)
-    elif name in ("dspark", "eagle3"):
-        raise FileNotFoundError(f"--drafter {name} names an embedded demo drafter, which goes "
-                                f"with the demo target only; pass the drafter's directory")
-    if name != "mtp":
+    name = locate(name, DEMO if demo else None)
+    if not of_target(name):
         if not hub.is_repo_id(name) and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such drafter directory")
         name = hub.resolve(name)
@@ -258,33 +251,12 @@ def check_sources(model, drafter=None) -> None:
     """FileNotFoundError naming a ``model`` or ``drafter`` that is neither a directory nor a
     repo id: a check that reads nothing, made before anything slower (a port, a download)."""
     from .checkpoint import hub
+    from .drafters import of_target
 
     for name, what in ((model, "model"), (drafter, "drafter")):
-        if name is not None and name != "mtp" and not hub.is_repo_id(name) \
+        if name is not None and not of_target(name) and not hub.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
-
-
-def demo_drafter(name):
-    """The embedded demo drafter ``name`` (None: DSpark) names: "mtp", or a directory."""
-    if name is None or name == "dspark":
-        return DEMO / "drafter"
-    if name == "mtp" and (DEMO / "target" / "config.json").is_file() and \
-            _demo_has_mtp():
-        return "mtp"
-    if name == "eagle3" and (DEMO / "eagle3").is_dir():
-        return DEMO / "eagle3"
-    if name in ("mtp", "eagle3"):
-        raise FileNotFoundError(f"the demo {name} drafter is not shipped yet (the embedded demo "
-                                f"target has DSpark and its own MTP block); pass --model DIR "
-                                f"--drafter DIR")
-    return name
-
-
-def _demo_has_mtp() -> bool:
-    import json
-    with open(DEMO / "target" / "config.json") as f:
-        return bool(json.load(f).get("num_nextn_predict_layers"))
 
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,

@@ -12,7 +12,7 @@ import pytest
 from fixtures.drafter import tiny
 from reference_drafter import ReferenceDrafter, read_safetensors
 
-from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.decode.sampling import warp
 
 # Measured max |z - z_ref| / max |z_ref| over N = 1..7 and contexts 0..20 tokens:

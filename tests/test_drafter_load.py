@@ -12,9 +12,9 @@ import pytest
 
 from fixtures.drafter import tiny
 
-import mlx_dspark.drafters.dspark as dr
+import mlx_dspark.drafters.base as dr
 from mlx_dspark.models.weights import weight_gate
-from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.config import DrafterError, parse_config
 
 # The fields of NVIDIA's released config.json (docs/design.md §6), tensors aside.

@@ -12,7 +12,7 @@ import pytest
 from reference_drafter import ReferenceDrafter, dense_weight, read_safetensors
 
 from mlx_dspark.converter.convert import convert
-from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.models.nemotron_h import load_target
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")

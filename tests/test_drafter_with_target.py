@@ -10,7 +10,7 @@ from fixtures.drafter import tiny
 from reference_drafter import ReferenceDrafter, read_safetensors
 from target_helpers import quantize_like_modelopt
 
-from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.config import DrafterError
 from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
 from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config

@@ -23,7 +23,7 @@ from mlx_dspark import cli
 from mlx_dspark.checkpoint import integrity
 from mlx_dspark.api import DEMO
 from mlx_dspark.converter.layout import BlockHash
-from mlx_dspark.drafters.dspark import load_drafter
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.models.nemotron_h import load_target
 

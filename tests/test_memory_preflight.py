@@ -74,7 +74,9 @@ def test_caches_grow_with_context_for_attention_only():
 
 def test_the_mtp_block_counts_only_when_it_drafts(tmp_path):
     from mlx_dspark.converter import convert
-    from mlx_dspark.drafters.mtp import load_mtp
+    from functools import partial
+    from mlx_dspark.drafters import load_drafter
+    load_mtp = partial(load_drafter, "mtp")
     from mlx_dspark.testing.synthetic import synth_target
     synth_target(tmp_path / "src", "MIXED_PRECISION")
     keep = convert(str(tmp_path / "src"), tmp_path / "keep", progress=False)

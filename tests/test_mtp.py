@@ -3,18 +3,22 @@ written from vLLM's ``nemotron_h_mtp`` (tests/reference_mtp.py), rejected drafts
 alone would, and a converted target's block loads through the weight-load gate (or is
 refused in one line)."""
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import reference_mtp as R
 from mlx_dspark.models.weights import CheckpointError
-from mlx_dspark.drafters.mtp import load_mtp
+from mlx_dspark.drafters import load_drafter
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.testing.toy import random_mtp_weights, tiny_target
+
+load_mtp = partial(load_drafter, "mtp")
 
 PATTERN = "*E"
 PROMPT = [3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2]

@@ -189,9 +189,11 @@ def _settings(pair, args, num_draft) -> dict:
 
 def _label(name, args) -> str:
     import os
+
+    from ..drafters import DEFAULT_DEMO, NAMES
     if name is None:
-        return "dspark" if args.model is None else "drafter"
-    return name if name in ("dspark", "mtp", "eagle3") else \
+        return DEFAULT_DEMO if args.model is None else "drafter"
+    return name if name in NAMES else \
         os.path.basename(os.path.normpath(str(name)))
 
 

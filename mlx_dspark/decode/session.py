@@ -48,7 +48,8 @@ class Target(Protocol):
 
 
 class Drafter(Protocol):
-    """What the loop calls on a drafter (drafter.Drafter; ARCHITECTURE.md)."""
+    """What the loop calls on a drafter (every kind is a drafters/base.py DrafterBase;
+    ARCHITECTURE.md)."""
 
     target_layer_ids: list[int]   # the target layers whose outputs feed add_context
     max_draft: int                # most tokens one propose() drafts
@@ -69,40 +70,6 @@ class Drafter(Protocol):
         ``vocab`` on, and their logits. Under a grammar, ``constraint(j, prev)`` gives the
         allowed tokens of row j (after the draft ``prev``); each row is masked before it is
         drawn and returned masked."""
-
-
-class OwnCache:
-    """A drafter's cache of its own, for callers that use the drafter alone (tests, the contract
-    in ARCHITECTURE.md, "The drafter"); the decode loop always passes a session's."""
-
-    _own = None
-
-    def _cache(self, cache):
-        if cache is not None:
-            return cache
-        if self._own is None:
-            self._own = self.make_cache()
-        return self._own
-
-    def reset(self):
-        """Forget the context of the drafter's own cache (sessions reset theirs)."""
-        self._own = None
-
-    def _context(self, cache, taps, start_pos: int, width: int, tokens=None):
-        """The cache ``add_context`` writes (``cache`` or the drafter's own), after checking
-        that the taps ``[T, width]`` continue it (and that ``tokens``, when the drafter reads
-        them, are the T tokens of those rows)."""
-        cache = self._cache(cache)
-        if start_pos != cache.length:
-            raise ValueError(f"add_context at position {start_pos}, but the drafter's cache "
-                             f"holds {cache.length} context tokens (contexts must be "
-                             f"contiguous)")
-        if taps.ndim != 2 or taps.shape[1] != width:
-            raise ValueError(f"taps must be [T, {width}], got {tuple(taps.shape)}")
-        if tokens is not False and (tokens is None or len(tokens) != taps.shape[0]):
-            raise ValueError("this drafter pairs each context row with the token after it: "
-                             "pass the rows' tokens (tokens=)")
-        return cache
 
 
 @dataclass

@@ -1,44 +1,100 @@
-"""Which drafter a name or a directory is. ``"mtp"`` is the target's own MTP block (drafters/mtp.py); a
-converted directory is a DSpark drafter (drafters/dspark.py) or an EAGLE-3 head (drafters/eagle3.py) by its
-``config.json``'s ``architectures``; anything else is refused by name."""
+"""The drafters: every kind registered once (:data:`KINDS`), and ``load_drafter``, the one
+loader.
+
+A kind is a module that defines a :class:`~.base.DrafterBase` and ``load(source, target, *,
+dtype, verify, verbose, nvfp4)``, plus one line below: its name (``--drafter NAME``), the
+``config.json`` architectures of its converted directories (none: the kind lives in the target's
+own files, as ``mtp``), its loader, and its embedded demo directory (``mlx_dspark/demo/…``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
-from .config import DrafterError
+from . import dspark, eagle3, mtp
+from .base import DrafterError
 
-NAMES = ("dspark", "mtp", "eagle3")
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    architectures: tuple[str, ...]   # () : read from the target's own files, no directory
+    load: Callable
+    demo: str | None = None          # its embedded demo drafter, under DEMO
+
+
+KINDS = {kind.name: kind for kind in (
+    Kind("dspark", dspark.ARCHITECTURES, dspark.load, demo="drafter"),
+    Kind("mtp", (), mtp.load),
+    Kind("eagle3", eagle3.ARCHITECTURES, eagle3.load, demo="eagle3"),
+)}
+
+NAMES = tuple(KINDS)
 """The drafter kinds ``--drafter`` and ``load(drafter=...)`` take by name."""
 
-DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
+DEFAULT_DEMO = "dspark"
+"""The demo drafter the embedded demo pair loads when none is named."""
+
+DEMO = Path(__file__).parent.parent / "demo"
+"""The embedded demo pair's home (api.DEMO): the demo target and the demo drafters."""
 
 
-def kind_of(path: str) -> str:
-    """``"dspark"`` or ``"eagle3"`` from the directory's config.json; DrafterError otherwise."""
-    from .eagle3 import ARCHITECTURES, read_config
+def of_target(source) -> bool:
+    """Whether ``source`` names a kind read from the target's own files (``"mtp"``)."""
+    kind = KINDS.get(str(source))
+    return kind is not None and not kind.architectures
+
+
+def locate(source, demo: Path | None = None):
+    """What ``source`` names, before anything is read: a kind of the target's own stays its
+    name; another kind's name is its embedded demo drafter under ``demo`` (the target is the
+    demo target; with ``demo`` None, FileNotFoundError); anything else (a directory, a repo id)
+    is returned as it is."""
+    kind = KINDS.get(str(source))
+    if kind is None or of_target(source):
+        return source
+    if demo is None:
+        raise FileNotFoundError(f"--drafter {source} names the embedded demo drafter, which "
+                                f"goes with the demo target only; pass the converted "
+                                f"drafter's directory")
+    path = Path(demo) / (kind.demo or kind.name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"the demo {source} drafter is not shipped ({path} is "
+                                f"missing); pass --model DIR --drafter DIR")
+    return path
+
+
+def kind_of(path: str) -> Kind:
+    """The kind of a converted directory, by its config.json's ``architectures``;
+    DrafterError otherwise."""
+    from .base import read_config
 
     archs = read_config(path).get("architectures") or []
-    if set(archs) & set(DSPARK_ARCHITECTURES):
-        return "dspark"
-    if set(archs) & set(ARCHITECTURES):
-        return "eagle3"
+    for kind in KINDS.values():
+        if set(archs) & set(kind.architectures):
+            return kind
+    known = "; ".join(f"{k.name}: {' or '.join(k.architectures)}" if k.architectures else
+                      f"the target's own block: --drafter {k.name}" for k in KINDS.values())
     raise DrafterError(f"{os.path.join(path, 'config.json')}: architectures {archs} is no "
-                       f"drafter this runtime runs (DSpark: {DSPARK_ARCHITECTURES[0]}; "
-                       f"EAGLE-3: {' or '.join(ARCHITECTURES)}; the target's own block: "
-                       f"--drafter mtp)")
+                       f"drafter this runtime runs ({known})")
 
 
-def load_drafter(path, target, dtype=None, nvfp4: str | None = None, verbose: bool = False,
-                 verify: str = "auto"):
-    """The drafter ``path`` names for ``target``: ``"mtp"``, or a converted DSpark or EAGLE-3
-    directory, passed through the weight-load gate."""
-    if str(path) == "mtp":
-        from .mtp import load_mtp
-        return load_mtp(target, verbose=verbose)
-    path = str(path)
-    if kind_of(path) == "eagle3":
-        from .eagle3 import load_eagle3
-        return load_eagle3(path, target, dtype=dtype, verify=verify, verbose=verbose)
-    from .dspark import load_drafter as load_dspark
-    return load_dspark(path, target, dtype=dtype, nvfp4=nvfp4, verbose=verbose, verify=verify)
+def load_drafter(source, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
+                 nvfp4: str | None = None):
+    """The drafter ``source`` names for ``target``, passed through the weight-load gate:
+    a kind's name (``"mtp"``: the target's own block; ``"dspark"``, ``"eagle3"``: the embedded
+    demo drafters, on the demo target), or a converted directory (its kind by config.json).
+
+    ``dtype``: the compute dtype or its name (``"bfloat16"``; None: the target's). ``verify``:
+    how much of the files is checked against the conversion receipt first
+    (checkpoint/integrity.py). ``nvfp4``: the NVFP4 compute path (quant.nvfp4_policy when
+    None)."""
+    path = getattr(target, "path", None)
+    demo = DEMO if path is not None and Path(path).resolve() == (DEMO / "target").resolve() \
+        else None
+    source = locate(source, demo)
+    kind = KINDS[source] if of_target(source) else kind_of(str(source))
+    return kind.load(str(source), target, dtype=dtype, verify=verify, verbose=verbose,
+                     nvfp4=nvfp4)

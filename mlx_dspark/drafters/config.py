@@ -10,10 +10,10 @@ import mlx.core as mx
 
 from ..converter.layout import GROUP_SIZE
 from ..models.quant import module_format
-from ..models.weights import _FLOATS, CheckpointError
+from ..models.weights import _FLOATS
+from .base import DrafterError, target_dims
 
-DrafterError = CheckpointError
-"""A drafter checkpoint that cannot be used (bad file, unsupported variant, wrong target)."""
+ARCHITECTURES = ("Qwen3DSparkModel",)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _unsupported(where: str, what: str):
 def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     """Parse NVIDIA's DSpark ``config.json``; refuse variants this runtime does not implement."""
     archs = cfg.get("architectures") or []
-    if "Qwen3DSparkModel" not in archs:
+    if not set(archs) & set(ARCHITECTURES):
         _unsupported(where, f"architectures {archs} (only NVIDIA's Qwen3DSparkModel layout)")
     if cfg.get("model_type", "qwen3") != "qwen3":
         _unsupported(where, f"model_type {cfg['model_type']!r} (expected 'qwen3')")
@@ -159,15 +159,9 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     )
 
 
-def _target_dims(target):
-    c = target.config
-    get = (lambda k: c.get(k)) if isinstance(c, dict) else (lambda k: getattr(c, k, None))
-    return get("hidden_size"), get("vocab_size"), get("num_hidden_layers")
-
-
 def check_fits(cfg: DrafterConfig, target, where: str):
     """Refuse a drafter that was not built for this target."""
-    hidden, vocab, layers = _target_dims(target)
+    hidden, vocab, layers = target_dims(target)
     for name, size in (("hidden_size", cfg.hidden_size), ("target_hidden_size",
                                                           cfg.target_hidden_size)):
         if size != hidden:

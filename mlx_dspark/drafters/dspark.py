@@ -19,23 +19,16 @@ the checkpoint file, read again by an independent parser, and refuses to run on 
 
 from __future__ import annotations
 
-import json
-import os
-from collections import OrderedDict
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.integrity import check_checkpoint
-from ..converter.layout import LAYOUT
-from ..decode.sampling import constrain, gumbel_max
-from ..decode.session import OwnCache
 from ..kernels.attention import sink_attention, window_mask
-from ..kernels.norm import FUSED_ROWS, rms_norm
-from ..models.nemotron_h import compute_dtype
+from ..kernels.norm import FUSED_ROWS
+from ..models.layers import CompiledPerKey, Norm
 from ..models.quant import Weights
-from ..models.weights import _embedding_identical, read_weights, shared_embedding, through_gate
-from .config import DrafterConfig, DrafterError, check_fits, check_tensors, parse_config
+from ..models.weights import through_gate
+from .base import DrafterBase, Draw, draft_dtype, read_converted, shares_embedding
+from .config import ARCHITECTURES, DrafterConfig, check_fits, check_tensors, parse_config
 
 
 # --------------------------------------------------------------------------------------------
@@ -47,16 +40,6 @@ from .config import DrafterConfig, DrafterError, check_fits, check_tensors, pars
 # position does not compile anew.
 _rope = mx.compile(lambda x, dims, base, offset: mx.fast.rope(
     x, dims, traditional=False, base=base, scale=1.0, offset=offset))
-
-
-class Norm(nn.Module):
-    def __init__(self, weight, eps):
-        super().__init__()
-        self.weight = weight
-        self.eps = eps
-
-    def __call__(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -131,24 +114,6 @@ class Layer(nn.Module):
 DRAW_SETTINGS = 8   # sampling settings whose compiled draws are kept (the most recent)
 
 
-class CompiledPerKey:
-    """``mx.compile(fn)`` once per key, the ``keep`` most recently used kept. MLX caches a
-    compiled graph per value of each non-array argument (a request's temperature), for as long
-    as the compiled function lives: one per key, dropped when evicted, bounds what a server
-    that sees a new setting in every request holds."""
-
-    def __init__(self, fn, keep: int):
-        self.fn, self.keep = fn, keep
-        self.compiled: OrderedDict = OrderedDict()
-
-    def __call__(self, key, *args):
-        fn = self.compiled.pop(key, None) or mx.compile(self.fn)
-        self.compiled[key] = fn
-        if len(self.compiled) > self.keep:
-            self.compiled.popitem(last=False)
-        return fn(*args)
-
-
 class MarkovHead(nn.Module):
     """``bias(prev) = W2 · W1[prev]``; computed in fp32 whatever the model dtype, because each
     drawn token feeds the next step."""
@@ -163,8 +128,10 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1.weight[prev].astype(mx.float32))
 
 
-class Drafter(OwnCache, nn.Module):
+class DSparkDrafter(DrafterBase):
     """Parameter names mirror the checkpoint's tensor names (the weight-load gate relies on it)."""
+
+    label = "DSpark"
 
     def __init__(self, cfg: DrafterConfig, w: dict, target, dtype, share_embedding: bool,
                  nvfp4: str | None = None):
@@ -177,14 +144,11 @@ class Drafter(OwnCache, nn.Module):
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
         self.markov_head = MarkovHead(w)
-        self._draws = CompiledPerKey(self._markov_draws, DRAW_SETTINGS)
+        self._draws = CompiledPerKey(self._compiled_draws, DRAW_SETTINGS)
         if not share_embedding:
             self.embed_tokens = nn.Module()
             self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use
-        # Borrowed lm_head (and embedding). Set around nn.Module's attribute hook so the
-        # target is neither a parameter nor a child module of the drafter.
-        object.__setattr__(self, "_target", target)
-        self.gate_report = None
+        self._borrow(target)        # its lm_head (and embedding)
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -195,10 +159,9 @@ class Drafter(OwnCache, nn.Module):
         """Most tokens one ``propose`` drafts: the block holds the bonus and the drafts."""
         return self.config.block_size - 1
 
-    def _embed(self, ids):
-        if "embed_tokens" in self:
-            return self.embed_tokens.weight[ids].astype(self.dtype)
-        return self._target.embed(ids).astype(self.dtype)
+    @property
+    def tap_width(self) -> int:
+        return self.config.hidden_size * len(self.config.target_layer_ids)
 
     @property
     def context_keep(self) -> int | None:
@@ -216,30 +179,16 @@ class Drafter(OwnCache, nn.Module):
         cache.length = start
         return cache
 
-    @property
-    def length(self) -> int:
-        """Context tokens in the drafter's own cache."""
-        return self._cache(None).length
+    def features(self, taps):
+        """``c_p = RMSNorm(fc(taps_p))``, the rows whose keys and values each layer keeps."""
+        return self.hidden_norm(self.fc(taps.astype(self.dtype)))
 
-    def shared_embedding(self) -> mx.array:
-        return shared_embedding(self._target, self.config.vocab_size)
-
-    def add_context(self, taps: mx.array, start_pos: int, cache: "DrafterCache | None" = None,
-                    tokens=None):
-        """Commit taps ``[T, n_taps*hidden]`` of the tokens at positions start_pos.. to
-        ``cache`` (default: the drafter's own). DSpark reads the taps alone (``tokens``
-        unused)."""
-        cache = self._context(cache, taps, start_pos, self.config.hidden_size
-                              * len(self.config.target_layer_ids), tokens=False)
-        # Skip what no future query attends: a long prompt or serial stretch costs a window.
-        keep = self.context_keep
-        if keep and taps.shape[0] > keep:
-            skip = taps.shape[0] - keep
-            taps, start_pos = taps[skip:], start_pos + skip
-        c = self.hidden_norm(self.fc(taps.astype(self.dtype)))[None]
+    def context_rows(self, c, ids, start_pos: int, cache: "DrafterCache"):
+        """Each layer's K/V of the context features ``c [T, hidden]`` at positions
+        start_pos.., appended to the cache's and cut to the window (DSpark reads no tokens)."""
         layers = []
         for layer, (ck, cv) in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.context_kv(c, start_pos)
+            k, v = layer.self_attn.context_kv(c[None], start_pos)
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
             window = layer.self_attn.window
             if window is not None:
@@ -249,7 +198,6 @@ class Drafter(OwnCache, nn.Module):
             layers.append((k, v))
         # New arrays, never writes into the old ones: a snapshot of the cache stays valid.
         cache.layers = tuple(layers)
-        cache.length = start_pos + taps.shape[0]     # the skipped tokens count too
 
     def block_logits(self, bonus, n: int, cache: "DrafterCache | None" = None) -> mx.array:
         """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
@@ -270,53 +218,28 @@ class Drafter(OwnCache, nn.Module):
         h = self.norm(x[0, 1:])
         return self._target.lm_head(h).astype(mx.float32)
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None,
-                cache: "DrafterCache | None" = None, constraint=None,
-                vocab: int | None = None):
-        """Draft ``n`` tokens after ``bonus``, which sits at the position after ``cache``'s
-        context (default: the drafter's own cache).
-
-        ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
-        noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
-        argmax. Returns lazy ``tokens [n]`` and ``logits [n, V]``: the Markov-corrected logits
-        each token was drawn from (warp them with ``sampling.warp`` for the distribution).
-
-        ``constraint(j, prev)`` (a grammar, grammar.Constraint.drafting): the allowed tokens
-        of row ``j`` given the token drawn before it; the row is drawn from its logits masked
-        (sampling.constrain), and the masked logits are returned."""
-        if not 1 <= n < self.config.block_size:
-            raise ValueError(f"n={n}: this drafter drafts 1..{self.config.block_size - 1} "
-                             f"tokens (block_size {self.config.block_size})")
+    def draft(self, bonus, n: int, draw: Draw, cache: "DrafterCache"):
+        """The block's ``U``, then the Markov chain: ``z_j = U_j + W2 W1[prev]``, each row
+        corrected by the token drawn before it. Compiled per sampling setting (its shapes are
+        fixed for an n), except under a grammar, which reads each draft back."""
         u = self.block_logits(bonus, n, cache)
-        prev = mx.array(bonus, dtype=mx.int32).reshape(1)
-        if constraint is not None:     # reads each draft back: not compiled
-            return self._markov_draws(u, prev, noise, temperature, top_p, top_k, vocab,
-                                      constraint)
-        return self._draws((temperature, top_p, top_k, vocab), u, prev, noise, temperature,
-                           top_p, top_k, vocab)
+        if draw.constraint is not None:
+            return self._markov(u, bonus, draw)
+        return self._draws(draw.settings, u, bonus, draw.noise, *draw.settings)
 
-    def _markov_draws(self, u, prev, noise, temperature, top_p, top_k, vocab,
-                      constraint=None):
-        """The Markov loop over ``u [n, V]`` (:meth:`block_logits`): each row corrected by
-        the token drawn before it. Compiled as ``_draws`` (its shapes are fixed for an n)."""
-        tokens, logits = [], []
-        for j in range(u.shape[0]):
-            z = u[j:j + 1] + self.markov_head(prev)
-            if constraint is not None:
-                z = constrain(z, constraint(j, prev))
-            g = None if noise is None else noise[j:j + 1]
-            prev = gumbel_max(z, temperature, top_p, top_k, g, vocab).astype(mx.int32)
-            tokens.append(prev)
-            logits.append(z)
-        return mx.concatenate(tokens), mx.concatenate(logits)
+    def _markov(self, u, bonus, draw: Draw):
+        return draw.chain(lambda j, prev: u[j:j + 1] + self.markov_head(prev), bonus,
+                          u.shape[0])
+
+    def _compiled_draws(self, u, bonus, noise, temperature, top_p, top_k, vocab):
+        return self._markov(u, bonus, Draw(temperature, top_p, top_k, vocab, noise))
 
 
 class DrafterCache:
     """The drafter's context: per layer the keys and values of the committed tokens a future
     query can still see, and ``length``, the context tokens seen (skipped ones included).
 
-    Made by :meth:`Drafter.make_cache` and owned by a session, as the target's cache is.
+    Made by :meth:`DSparkDrafter.make_cache` and owned by a session, as the target's cache is.
     ``add_context`` replaces the arrays and never writes into them, so a snapshot is the
     references themselves, valid while the cache goes on."""
 
@@ -345,42 +268,27 @@ class DrafterCache:
 # Loading
 
 
-def load_drafter(path: str, target, dtype=None, nvfp4: str | None = None,
-                 verbose: bool = False, verify: str = "auto") -> Drafter:
-    """Load a converted DSpark drafter for ``target`` and pass it through the weight-load gate.
+def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
+         nvfp4: str | None = None) -> DSparkDrafter:
+    """Load the converted DSpark drafter in the directory ``source`` for ``target`` and pass it
+    through the weight-load gate.
 
     ``dtype`` is the compute dtype or its name (None: the target's ``dtype`` attribute if it has
     one, else float32). ``nvfp4`` picks the NVFP4 compute path as for the target
     (quant.nvfp4_policy when None). The drafter borrows the target's lm_head, and its embedding
     when the drafter's own copy is bit-identical to it. ``verify``: how much of the files is
-    checked against the conversion receipt first (checkpoint/integrity.py); a drafter without a receipt
-    needs ``"none"``."""
-    cfg_file = os.path.join(path, "config.json")
-    try:
-        with open(cfg_file) as fh:
-            raw = json.load(fh)
-    except OSError as e:
-        raise DrafterError(f"{cfg_file}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from None
-    quant = raw.get("quantization") or {}
-    if quant.get("layout") != LAYOUT:
-        raise DrafterError(f"{cfg_file}: not a converted checkpoint (no quantization.layout "
-                           f"{LAYOUT!r}); run `mlx-dspark convert` on it first")
-    try:
-        cfg = parse_config(raw, cfg_file)
-    except KeyError as e:
-        raise DrafterError(f"{cfg_file}: missing field {e}") from None
-    check_fits(cfg, target, cfg_file)
-    if dtype is None:
-        dtype = getattr(target, "dtype", None) or mx.float32
-    dtype = compute_dtype(dtype)
+    checked against the conversion receipt first (checkpoint/integrity.py); a drafter without a
+    receipt needs ``"none"``."""
+    source, dtype = str(source), draft_dtype(dtype, target)
 
-    check_checkpoint(path, verify)
-    weights, origin = read_weights(path)
-    check_tensors(cfg, weights, origin, path, quant.get("modules") or {})
-    share = (not cfg.has_embed_tokens
-             or _embedding_identical(weights["embed_tokens.weight"], target))
-    drafter = Drafter(cfg, weights, target, dtype, share, nvfp4)
+    def parse(raw, where):
+        cfg = parse_config(raw, where)
+        check_fits(cfg, target, where)
+        return cfg
+
+    raw, cfg, weights, origin = read_converted(source, verify, parse)
+    check_tensors(cfg, weights, origin, source, raw["quantization"].get("modules") or {})
+    drafter = DSparkDrafter(cfg, weights, target, dtype, shares_embedding(weights, target),
+                            nvfp4)
     del weights
-    return through_gate(drafter, path, verbose)
+    return through_gate(drafter, source, verbose)

@@ -22,22 +22,17 @@ As for the MTP block (drafters/mtp.py), a context row waits for the token after 
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.integrity import check_checkpoint
-from ..converter.layout import LAYOUT
-from ..decode.sampling import constrain, gumbel_max
-from ..decode.session import OwnCache
+from ..models.layers import Norm
 from ..models.nemotron_h import KVCache
 from ..models.quant import Weights
-from ..models.weights import _embedding_identical, read_weights, shared_embedding, through_gate
-from .config import DrafterError, _target_dims
-from .dspark import Norm
+from ..models.weights import through_gate
+from .base import DrafterBase, DrafterError, Draw, draft_dtype, read_converted, \
+    shares_embedding, target_dims
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MAX_DRAFT = 16
@@ -102,7 +97,7 @@ def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
 
 def check_fits(cfg: Eagle3Config, target, where: str):
     """Refuse a head that was not trained for this target (naming the mismatch)."""
-    hidden, vocab, layers = _target_dims(target)
+    hidden, vocab, layers = target_dims(target)
     if cfg.target_hidden_size != hidden:
         raise DrafterError(f"{where}: EAGLE-3 head target_hidden_size {cfg.target_hidden_size} "
                            f"!= target hidden_size {hidden} (wrong drafter for this target)")
@@ -160,14 +155,20 @@ def check_tensors(cfg: Eagle3Config, weights: dict, path: str):
                                f"{shape}")
 
 
-class Eagle3Drafter(OwnCache, nn.Module):
+class Eagle3Drafter(DrafterBase):
     """Parameter names mirror the checkpoint's (the weight-load gate relies on it)."""
 
-    def __init__(self, cfg: Eagle3Config, w: dict, target, dtype, share_embedding: bool):
+    label = "EAGLE-3"
+    pairs_tokens = True         # a context row is the target's features and the token after
+    max_draft = MAX_DRAFT
+    context_keep = None         # full attention: every context row stays
+
+    def __init__(self, cfg: Eagle3Config, w: dict, target, dtype, share_embedding: bool,
+                 nvfp4: str | None = None):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        wt = Weights(w, dtype, None)
+        wt = Weights(w, dtype, nvfp4)
         eps = cfg.rms_norm_eps
         self.fc = wt.linear("fc")
         m = self.midlayer = nn.Module()
@@ -191,29 +192,20 @@ class Eagle3Drafter(OwnCache, nn.Module):
         self._ids = mx.arange(cfg.draft_vocab_size) + self.d2t.astype(mx.int32)
         self._identity = cfg.draft_vocab_size == cfg.vocab_size and \
             not mx.any(self.d2t != 0).item()
-        object.__setattr__(self, "_target", target)
-        self.gate_report = None
+        self._borrow(target)
 
-    # --- the loop's Drafter protocol (decode/session.py)
     @property
     def target_layer_ids(self) -> list[int]:
         return list(self.config.target_layer_ids)
 
-    max_draft = MAX_DRAFT
-    context_keep = None         # full attention: every context row stays
+    @property
+    def tap_width(self) -> int:
+        return self.config.target_hidden_size * len(self.config.target_layer_ids)
 
     def make_cache(self, start: int = 0) -> "Eagle3Cache":
         cache = Eagle3Cache()
         cache.length = start
         return cache
-
-    def shared_embedding(self) -> mx.array:
-        return shared_embedding(self._target, self.config.vocab_size)
-
-    def _embed(self, ids):
-        if "embed_tokens" in self:
-            return self.embed_tokens.weight[ids].astype(self.dtype)
-        return self._target.embed(ids).astype(self.dtype)
 
     def layer(self, ids, g, pos0: int, kv: KVCache):
         """``out [T, hidden]`` (before ``norm``) over rows (token ``ids [T]``, features
@@ -250,48 +242,27 @@ class Eagle3Drafter(OwnCache, nn.Module):
         full[:, self._ids] = z
         return full
 
-    def add_context(self, taps: mx.array, start_pos: int, cache: "Eagle3Cache | None" = None,
-                    tokens=None):
-        """Commit the target's taps ``[T, n_taps*hidden]`` of the ``tokens`` at positions
-        start_pos..; each row pairs with the token after it."""
-        cache = self._context(cache, taps, start_pos, self.config.target_hidden_size
-                              * len(self.config.target_layer_ids), tokens)
-        g = self.fc(taps.astype(self.dtype))
-        ids = mx.array(list(tokens), dtype=mx.int32)
-        if cache.last is not None:
-            rows, pos0 = mx.concatenate([cache.last, g[:-1]]), start_pos - 1
-        else:
-            rows, ids, pos0 = g[:-1], ids[1:], start_pos
-        if rows.shape[0]:
-            self.layer(ids, rows, pos0, cache.kv)
-        cache.last = g[-1:]
-        cache.length = start_pos + taps.shape[0]
+    def features(self, taps):
+        """``g_p = fc(taps_p)``."""
+        return self.fc(taps.astype(self.dtype))
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None,
-                cache: "Eagle3Cache | None" = None, constraint=None,
-                vocab: int | None = None):
-        """Draft ``n`` tokens after ``bonus``: lazy ``tokens [n]`` and the target-vocabulary
-        ``logits [n, V]`` each was drawn from."""
-        cache = self._cache(cache)
-        if not 1 <= n <= self.max_draft:
-            raise ValueError(f"n={n}: the EAGLE-3 drafter drafts 1..{self.max_draft} tokens")
-        if cache.last is None:
-            raise ValueError("propose() before any context")
-        mark = cache.kv.offset
-        token = mx.array(bonus, dtype=mx.int32).reshape(1)
-        g, tokens, logits = cache.last, [], []
-        for j in range(n):
-            g = self.layer(token, g, cache.length - 1 + j, cache.kv)
-            z = self.logits(g)
-            if constraint is not None:        # a grammar: the allowed tokens after ``token``
-                z = constrain(z, constraint(j, token))
-            noise_j = None if noise is None else noise[j:j + 1]
-            token = gumbel_max(z, temperature, top_p, top_k, noise_j, vocab).astype(mx.int32)
-            tokens.append(token)
-            logits.append(z)
+    def context_rows(self, rows, ids, pos0: int, cache: "Eagle3Cache"):
+        self.layer(ids, rows, pos0, cache.kv)
+
+    def draft(self, bonus, n: int, draw: Draw, cache: "Eagle3Cache"):
+        """The layer reused on its own output, from the newest context row: each draft's
+        ``out`` is the next one's ``g``, one position on. Its rows are scratch, rewound
+        after."""
+        mark, g = cache.kv.offset, cache.last
+
+        def row(j, prev):
+            nonlocal g
+            g = self.layer(prev, g, cache.length - 1 + j, cache.kv)
+            return self.logits(g)
+
+        out = draw.chain(row, bonus, n)
         cache.kv.offset = mark                      # the drafts' own rows are scratch
-        return mx.concatenate(tokens), mx.concatenate(logits)
+        return out
 
 
 class Eagle3Cache:
@@ -318,36 +289,20 @@ class Eagle3Cache:
         return out + ([] if self.kv.keys is None else list(self.kv.state()))
 
 
-def read_config(path: str) -> dict:
-    cfg_file = os.path.join(path, "config.json")
-    try:
-        with open(cfg_file) as fh:
-            return json.load(fh)
-    except OSError as e:
-        raise DrafterError(f"{cfg_file}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from None
+def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
+         nvfp4: str | None = None) -> Eagle3Drafter:
+    """Load the converted EAGLE-3 head in the directory ``source`` for ``target`` through the
+    weight-load gate (``dtype``, ``verify``, ``nvfp4``: as for DSpark, drafters/dspark.py)."""
+    source, dtype = str(source), draft_dtype(dtype, target)
 
+    def parse(raw, where):
+        cfg = parse_config(raw, where, target.config.num_hidden_layers)
+        check_fits(cfg, target, where)
+        return cfg
 
-def load_eagle3(path: str, target, dtype=None, verify: str = "auto",
-                verbose: bool = False) -> Eagle3Drafter:
-    """Load a converted EAGLE-3 head for ``target`` through the weight-load gate."""
-    cfg_file = os.path.join(path, "config.json")
-    raw = read_config(path)
-    if (raw.get("quantization") or {}).get("layout") != LAYOUT:
-        raise DrafterError(f"{cfg_file}: not a converted checkpoint (no quantization.layout "
-                           f"{LAYOUT!r}); run `mlx-dspark convert` on it first")
-    try:
-        cfg = parse_config(raw, cfg_file, target.config.num_hidden_layers)
-    except KeyError as e:
-        raise DrafterError(f"{cfg_file}: missing field {e}") from None
-    check_fits(cfg, target, cfg_file)
-    dtype = dtype or getattr(target, "dtype", None) or mx.float32
-    check_checkpoint(path, verify)
-    weights, _ = read_weights(path)
-    check_tensors(cfg, weights, path)
-    share = ("embed_tokens.weight" not in weights
-             or _embedding_identical(weights["embed_tokens.weight"], target))
-    drafter = Eagle3Drafter(cfg, weights, target, dtype, share)
+    _, cfg, weights, _ = read_converted(source, verify, parse)
+    check_tensors(cfg, weights, source)
+    drafter = Eagle3Drafter(cfg, weights, target, dtype, shares_embedding(weights, target),
+                            nvfp4)
     del weights
-    return through_gate(drafter, path, verbose)
+    return through_gate(drafter, source, verbose)

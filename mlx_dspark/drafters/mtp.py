@@ -27,14 +27,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..checkpoint.integrity import check_level
 from ..converter.layout import mtp_pattern
-from ..decode.sampling import constrain, gumbel_max
-from ..decode.session import OwnCache
 from ..kernels.norm import rms_norm
+from ..models.layers import Norm
 from ..models.nemotron_h import Attention, KVCache, MoE, stack_experts
 from ..models.quant import Weights
 from ..models.weights import CheckpointError, read_weights, through_gate
-from .dspark import Norm
+from .base import DrafterBase, Draw, draft_dtype
 
 PREFIX = "mtp."
 MAX_DRAFT = 16
@@ -63,32 +63,36 @@ class MTPLayer(nn.Module):
         return x + (self.mixer(h, cache) if self.kind == "*" else self.mixer(h))
 
 
-class MTPDrafter(OwnCache, nn.Module):
-    def __init__(self, target, w: dict, pattern: str):
+class MTPDrafter(DrafterBase):
+    label = "MTP"
+    pairs_tokens = True         # a context row is a hidden state and the token after it
+    max_draft = MAX_DRAFT
+    context_keep = None         # its attention is global: every context row stays
+
+    def __init__(self, target, w: dict, pattern: str, dtype=None, nvfp4: str | None = None):
         super().__init__()
         cfg = target.config
-        w = Weights(w, target.dtype, None)
+        self.dtype = draft_dtype(dtype, target)
+        w = Weights(w, self.dtype, nvfp4)
         n = len(pattern)
         self.layers = [MTPLayer(c, cfg, w, i, i == 0, i == n - 1) for i, c in enumerate(pattern)]
         self.pattern = pattern
-        self.dtype = target.dtype
-        self.gate_report = None
-        object.__setattr__(self, "_target", target)   # borrowed, not a child module
+        self._borrow(target)        # its embedding, norm_f and lm_head
 
-    # --- the loop's Drafter protocol (decode/session.py)
     @property
     def target_layer_ids(self) -> list[int]:
         return [self._target.config.num_hidden_layers - 1]
 
-    max_draft = MAX_DRAFT
-    context_keep = None         # its attention is global: every context row stays
+    @property
+    def tap_width(self) -> int:
+        return self._target.config.hidden_size
 
     def make_cache(self, start: int = 0) -> "MTPCache":
         cache = MTPCache(self.pattern)
         cache.length = start
         return cache
 
-    def _hidden(self, taps):
+    def features(self, taps):
         """The target's hidden states as vLLM hands them to the block: after ``norm_f``."""
         t = self._target
         return rms_norm(taps.astype(self.dtype), t.norm_f, t.config.layer_norm_epsilon)
@@ -96,56 +100,32 @@ class MTPDrafter(OwnCache, nn.Module):
     def block(self, ids, hidden, cache: "MTPCache"):
         """``out [T, hidden]`` of the block over rows (token ``ids [T]``, ``hidden [T, H]``);
         its attention layers append the rows to ``cache``."""
-        e = self._target.embed(ids).astype(self.dtype)
+        e = self._embed(ids)
         first = self.layers[0]
         x = first.eh_proj(mx.concatenate([first.enorm(e), first.hnorm(hidden)], axis=-1))[None]
         for layer, kv in zip(self.layers, cache.layers):
             x = layer(x, kv)
         return self.layers[-1].final_layernorm(x[0])
 
-    def add_context(self, taps: mx.array, start_pos: int, cache: "MTPCache | None" = None,
-                    tokens=None):
-        """Commit the target's taps ``[T, hidden]`` (its last layer) of the ``tokens`` at
-        positions start_pos..; each pairs with the token after it."""
-        cache = self._context(cache, taps, start_pos, self._target.config.hidden_size, tokens)
-        h = self._hidden(taps)
-        ids = mx.array(list(tokens), dtype=mx.int32)
-        if cache.last is not None:
-            rows, ids = mx.concatenate([cache.last, h[:-1]]), ids
-        else:                           # the first token has no hidden state before it
-            rows, ids = h[:-1], ids[1:]
-        if rows.shape[0]:
-            self.block(ids, rows, cache)            # only the attention K/V it leaves matter
-        cache.last = h[-1:]
-        cache.length = start_pos + taps.shape[0]
+    def context_rows(self, rows, ids, pos0: int, cache: "MTPCache"):
+        self.block(ids, rows, cache)        # only the attention K/V it leaves matter
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None,
-                cache: "MTPCache | None" = None, constraint=None,
-                vocab: int | None = None):
-        """Draft ``n`` tokens after ``bonus`` (the token after the context): lazy ``tokens
-        [n]`` and the ``logits [n, V]`` each was drawn from (``sampling.gumbel_max``)."""
-        cache = self._cache(cache)
-        if not 1 <= n <= self.max_draft:
-            raise ValueError(f"n={n}: the MTP drafter drafts 1..{self.max_draft} tokens")
-        if cache.last is None:
-            raise ValueError("propose() before any context")
+    def draft(self, bonus, n: int, draw: Draw, cache: "MTPCache"):
+        """The block reused on its own output, from the newest context row: each draft's
+        ``out`` is the next one's hidden state. Its rows are scratch, rewound after."""
         marks = [kv.offset if kv is not None else None for kv in cache.layers]
-        token = mx.array(bonus, dtype=mx.int32).reshape(1)
-        hidden, tokens, logits = cache.last, [], []
-        for j in range(n):
-            hidden = self.block(token, hidden, cache)
-            z = self._target.lm_head(hidden).astype(mx.float32)
-            if constraint is not None:        # a grammar: the allowed tokens after ``token``
-                z = constrain(z, constraint(j, token))
-            g = None if noise is None else noise[j:j + 1]
-            token = gumbel_max(z, temperature, top_p, top_k, g, vocab).astype(mx.int32)
-            tokens.append(token)
-            logits.append(z)
+        hidden = cache.last
+
+        def row(j, prev):
+            nonlocal hidden
+            hidden = self.block(prev, hidden, cache)
+            return self._target.lm_head(hidden).astype(mx.float32)
+
+        out = draw.chain(row, bonus, n)
         for kv, mark in zip(cache.layers, marks):    # the drafts' own rows are scratch
             if kv is not None:
                 kv.offset = mark
-        return mx.concatenate(tokens), mx.concatenate(logits)
+        return out
 
 
 class MTPCache:
@@ -181,10 +161,15 @@ class MTPCache:
         return out
 
 
-def load_mtp(target, verbose: bool = False) -> MTPDrafter:
-    """The MTP block of ``target`` (loaded by ``load_target``, which checked its files and
-    remembers its directory), read from the target's own files and passed through the
-    weight-load gate."""
+def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
+         nvfp4: str | None = None) -> MTPDrafter:
+    """The MTP block of ``target`` (``source``: ``"mtp"``), read from the target's own files
+    (``load_target`` remembers its directory, and checked them against the receipt at its own
+    ``verify`` level: this one is only validated) and passed through the weight-load gate.
+    ``dtype``, ``nvfp4``: as for the other drafters (None: the target's dtype, quant's
+    policy)."""
+    check_level(verify)
+    dtype = draft_dtype(dtype, target)
     path = getattr(target, "path", None)
     if path is None:
         raise CheckpointError("--drafter mtp: the target was not loaded from a directory "
@@ -209,7 +194,7 @@ def load_mtp(target, verbose: bool = False) -> MTPDrafter:
                               f"convert again without --no-mtp for --drafter mtp")
     w = stack_experts(w, len(pattern), "mtp.layers")
     try:
-        drafter = MTPDrafter(target, w, pattern)
+        drafter = MTPDrafter(target, w, pattern, dtype, nvfp4)
     except KeyError as e:
         raise CheckpointError(f"{path}: tensor {e.args[0]} missing from the MTP block "
                               f"(pattern {pattern!r})") from None

@@ -85,7 +85,7 @@ def tiny_target(seed=0, dtype=mx.float32, **over) -> NemotronH:
                      hf_weights_from_mlx_lm(random_mlx_lm_model(cfg, seed), stacked=True), dtype)
 
 
-def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.Drafter:
+def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.DSparkDrafter:
     """NVIDIA's drafter layout at toy size, every weight random (dense float32)."""
     tc = target.config
     cfg = DC.DrafterConfig(
@@ -102,7 +102,7 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
             else mx.random.normal(shape) * 0.3
     for prefix, (out, inp) in DC._expected_linears(cfg).items():
         w[prefix + ".weight"] = mx.random.normal((out, inp)) * inp ** -0.5
-    drafter = D.Drafter(cfg, w, target, mx.float32, share_embedding=True)
+    drafter = D.DSparkDrafter(cfg, w, target, mx.float32, share_embedding=True)
     mx.eval(drafter.parameters())
     return drafter
 
