@@ -122,7 +122,16 @@ class DrafterBase(OwnCache, nn.Module):
     pairs_tokens = False
     context_keep: int | None = None
 
-    def _borrow(self, target):
+    def __init__(self, target, dtype, config=None, embedding: mx.array | None = None):
+        """``embedding``: the drafter's own table (kept in its stored dtype, rows cast on
+        use), None when it borrows the target's."""
+        super().__init__()
+        if config is not None:
+            self.config = config
+        self.dtype = dtype
+        if embedding is not None:
+            self.embed_tokens = nn.Module()
+            self.embed_tokens.weight = embedding
         object.__setattr__(self, "_target", target)
         self.gate_report = None
 

@@ -135,9 +135,7 @@ class DSparkDrafter(DrafterBase):
 
     def __init__(self, cfg: DrafterConfig, w: dict, target, dtype, share_embedding: bool,
                  nvfp4: str | None = None):
-        super().__init__()
-        self.config = cfg
-        self.dtype = dtype
+        super().__init__(target, dtype, cfg, None if share_embedding else w["embed_tokens.weight"])
         w = Weights(w, dtype, nvfp4)
         self.fc = w.linear("fc")
         self.hidden_norm = Norm(w.cast("hidden_norm.weight"), cfg.rms_norm_eps)
@@ -145,10 +143,6 @@ class DSparkDrafter(DrafterBase):
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
         self.markov_head = MarkovHead(w)
         self._draws = CompiledPerKey(self._compiled_draws, DRAW_SETTINGS)
-        if not share_embedding:
-            self.embed_tokens = nn.Module()
-            self.embed_tokens.weight = w["embed_tokens.weight"]  # stored dtype; rows cast on use
-        self._borrow(target)        # its lm_head (and embedding)
 
     @property
     def target_layer_ids(self) -> list[int]:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.cache import KVCache
 from ..models.layers import Norm
-from ..models.nemotron_h import KVCache
 from ..models.quant import Weights
 from ..models.weights import through_gate
 from .base import DrafterBase, DrafterError, Draw, draft_dtype, read_converted, \
@@ -165,9 +165,7 @@ class Eagle3Drafter(DrafterBase):
 
     def __init__(self, cfg: Eagle3Config, w: dict, target, dtype, share_embedding: bool,
                  nvfp4: str | None = None):
-        super().__init__()
-        self.config = cfg
-        self.dtype = dtype
+        super().__init__(target, dtype, cfg, None if share_embedding else w["embed_tokens.weight"])
         wt = Weights(w, dtype, nvfp4)
         eps = cfg.rms_norm_eps
         self.fc = wt.linear("fc")
@@ -185,14 +183,10 @@ class Eagle3Drafter(DrafterBase):
         self.d2t = w["d2t"]
         if "t2d" in w:
             self.t2d = w["t2d"]
-        if not share_embedding:
-            self.embed_tokens = nn.Module()
-            self.embed_tokens.weight = w["embed_tokens.weight"]
         # where each draft-vocabulary row goes in the target's vocabulary
         self._ids = mx.arange(cfg.draft_vocab_size) + self.d2t.astype(mx.int32)
         self._identity = cfg.draft_vocab_size == cfg.vocab_size and \
             not mx.any(self.d2t != 0).item()
-        self._borrow(target)
 
     @property
     def target_layer_ids(self) -> list[int]:

@@ -30,8 +30,9 @@ import mlx.nn as nn
 from ..checkpoint.integrity import check_level
 from ..converter.layout import mtp_pattern
 from ..kernels.norm import rms_norm
+from ..models.cache import KVCache
 from ..models.layers import Norm
-from ..models.nemotron_h import Attention, KVCache, MoE, stack_experts
+from ..models.nemotron_h import Attention, MoE, stack_experts
 from ..models.quant import Weights
 from ..models.weights import CheckpointError, read_weights, through_gate
 from .base import DrafterBase, Draw, draft_dtype
@@ -70,14 +71,12 @@ class MTPDrafter(DrafterBase):
     context_keep = None         # its attention is global: every context row stays
 
     def __init__(self, target, w: dict, pattern: str, dtype=None, nvfp4: str | None = None):
-        super().__init__()
+        super().__init__(target, draft_dtype(dtype, target))   # its embedding, norm_f, lm_head
         cfg = target.config
-        self.dtype = draft_dtype(dtype, target)
         w = Weights(w, self.dtype, nvfp4)
         n = len(pattern)
         self.layers = [MTPLayer(c, cfg, w, i, i == 0, i == n - 1) for i, c in enumerate(pattern)]
         self.pattern = pattern
-        self._borrow(target)        # its embedding, norm_f and lm_head
 
     @property
     def target_layer_ids(self) -> list[int]:

@@ -42,6 +42,7 @@ from ..converter.layout import decode_float, layer_pattern
 from ..device import on_gpu
 from ..kernels import mamba as K
 from ..kernels.norm import gated_rms_norm, rms_norm
+from .cache import KVCache, MambaCache, TargetCache
 from .quant import Weights, make_linear
 from .weights import read_weights
 
@@ -113,128 +114,6 @@ class TargetConfig:
         if limit is not None:
             known["time_step_limit"] = tuple(decode_float(v) for v in limit)
         return cls(hybrid_override_pattern=pattern, extra=d, **known)
-
-
-# ------------------------------------------------------------------------------- caches
-
-
-class KVCache:
-    """Attention keys/values ``(b, kv_heads, L, head_dim)`` in a buffer grown in steps."""
-
-    STEP = 256
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update(self, k, v):
-        t = k.shape[2]
-        if self.keys is None or self.offset + t > self.keys.shape[2]:
-            grow = ((self.offset + t + self.STEP - 1) // self.STEP) * self.STEP
-            shape = (*k.shape[:2], grow, k.shape[3])
-            nk, nv = mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype)
-            if self.offset:
-                nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
-                nv[..., :self.offset, :] = self.values[..., :self.offset, :]
-            self.keys, self.values = nk, nv
-        self.keys[..., self.offset:self.offset + t, :] = k
-        self.values[..., self.offset:self.offset + t, :] = v
-        self.offset += t
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
-
-    def state(self):
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
-
-
-class MambaCache:
-    """Conv window (the last K-1 raw conv inputs) and SSM state, both float32.
-
-    ``record`` is set by a verify: the state before the block and the per-position inputs
-    the recurrence needs, so that :meth:`commit` can rebuild any prefix exactly."""
-
-    def __init__(self):
-        self.conv = None
-        self.ssm = None
-        self.record = None
-
-    def commit(self, n: int, A):
-        conv0, ssm0, xbc, x, dt, B, C = self.record
-        self.record = None
-        if n == xbc.shape[1]:
-            return                                    # full acceptance: state is current
-        k1 = conv0.shape[1]
-        self.conv = mx.concatenate([conv0, xbc[:, :n]], axis=1)[:, -k1:] if k1 else conv0
-        self.ssm = K.ssm_replay(ssm0, x[:, :n], dt[:, :n], A, B[:, :n], C[:, :n])
-
-
-class TargetCache:
-    """One entry per layer (KVCache, MambaCache, or None for stateless blocks)."""
-
-    def __init__(self, pattern: str):
-        self.layers = [KVCache() if c == "*" else MambaCache() if c == "M" else None
-                       for c in pattern]
-        self.offset = 0
-        self.pending = None          # positions of the last verify, until commit
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def snapshot(self):
-        """This state in arrays that later steps cannot change, for :meth:`restore`. KV buffers
-        are written in place (slice assignment), so their filled part is copied; Mamba states
-        are only ever replaced, never written into, so they are shared."""
-        if self.pending is not None:
-            raise RuntimeError("snapshot() between a verify and its commit")
-        layers = tuple(None if c is None else
-                       (c.conv, c.ssm) if isinstance(c, MambaCache) else
-                       None if c.keys is None else tuple(mx.contiguous(x) for x in c.state())
-                       for c in self.layers)
-        mx.eval([x for layer in layers if layer for x in layer if x is not None])
-        return self.offset, layers
-
-    def restore(self, state):
-        """Take the state of an earlier :meth:`snapshot` (which stays usable)."""
-        self.offset, layers = state
-        self.pending = None
-        for c, s in zip(self.layers, layers):
-            if isinstance(c, MambaCache):
-                (c.conv, c.ssm), c.record = s, None
-            elif isinstance(c, KVCache):
-                c.keys = c.values = None
-                c.offset = 0
-                if s is not None:
-                    c.update(*s)      # into a fresh buffer: the snapshot is never written
-
-    def arrays(self) -> list[mx.array]:
-        """Every array the cache holds (to evaluate pending rollback work)."""
-        return _arrays(self)
-
-    def mark(self):
-        """A cheap restore point (offsets and references to the Mamba states, no copies)."""
-        return self.offset, [c.offset if isinstance(c, KVCache) else (c.conv, c.ssm)
-                             if isinstance(c, MambaCache) else None for c in self.layers]
-
-    def rewind(self, mark):
-        """Forget every step taken since ``mark`` (the decode loop's step built ahead)."""
-        self.offset, states = mark
-        for c, state in zip(self.layers, states):
-            if isinstance(c, KVCache):
-                c.offset = state
-            elif isinstance(c, MambaCache):
-                c.conv, c.ssm = state
-
-
-def _arrays(cache):
-    """Every array held by a target cache (to evaluate pending rollback work)."""
-    if isinstance(cache, mx.array):
-        return [cache]
-    if isinstance(cache, (list, tuple)):
-        return [x for c in cache for x in _arrays(c)]
-    if isinstance(cache, dict):
-        return [x for c in cache.values() for x in _arrays(c)]
-    if hasattr(cache, "__dict__"):
-        return [x for c in vars(cache).values() for x in _arrays(c)]
-    return []
 
 
 # ------------------------------------------------------------------------------- blocks
