@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..converter.plan import EAGLE3_ARCHITECTURES
 from ..models.cache import KVCache
 from ..models.layers import Norm
 from ..models.quant import Weights
@@ -34,7 +35,7 @@ from ..models.weights import through_gate
 from .base import DrafterBase, DrafterError, Draw, draft_dtype, read_converted, \
     shares_embedding, target_dims
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+ARCHITECTURES = EAGLE3_ARCHITECTURES     # the converter tells an EAGLE-3 export by the same names
 MAX_DRAFT = 16
 """Most tokens one proposal drafts (the head has no limit of its own; see mtp.MAX_DRAFT)."""
 
