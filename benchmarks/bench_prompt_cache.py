@@ -268,7 +268,8 @@ def _r(rows):
 
 def part_cost(a):
     import mlx.core as mx
-    from mlx_dspark.prompt_cache.disk import identity, read_snapshot, write_snapshot
+    from mlx_dspark.prompt_cache.disk import identity
+    from mlx_dspark.prompt_cache.snapshot_file import read_snapshot, write_snapshot
     from mlx_dspark.decode.loop import prefill
 
     pair = _pair(a.path)

@@ -63,13 +63,13 @@ def test_every_drafters_context_survives_the_prompt_stores_disk_format(target, d
 
     import mlx.core as mx
 
-    from mlx_dspark.prompt_cache.disk import _snapshot, _tensors
+    from mlx_dspark.prompt_cache.snapshot_file import _snapshot, _tensors
     session = Session(target, drafter)
     list(decode(session, Request(PROMPTS[0], max_tokens=6, num_draft=3, speculative="on")))
     session.flush()
     snap = session.snapshot()
     arrays, layout = _tensors(snap)
-    back = _snapshot(arrays, json.loads(json.dumps(layout)))    # layout goes through JSON
+    back = _snapshot(arrays, json.loads(json.dumps(layout)), snap.origin)   # through JSON
     follow = Request(session.tokens + [7], max_tokens=8, num_draft=3, speculative="on")
     first = list(decode(session, follow))
     session.restore(back)

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_dspark import api
 from mlx_dspark.prompt_cache.cache import PromptCache
-from mlx_dspark.prompt_cache.disk import PromptStore, identity, open_store
+from mlx_dspark.prompt_cache.disk import LOCK, PromptStore, identity, open_store
 from mlx_dspark.decode.loop import prefill
 from mlx_dspark.testing import spoil as spoil_ways
 from mlx_dspark.text.tokenizer import message_boundaries, prompt_ids
@@ -150,7 +150,7 @@ def test_a_full_disk_keeps_the_snapshot_in_memory_with_one_warning(pair, tmp_pat
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_signal)
     assert len(warnings) == 1 and "cannot write" in warnings[0], warnings
-    assert not [n for n in os.listdir(tmp_path) if n != "named"]     # no temporary left
+    assert not [n for n in os.listdir(tmp_path) if n not in ("named", LOCK)]   # no temporary
     got = api.generate(warm, conversation("class Table:"), max_tokens=4, chat=True)
     assert got.stats.reused_tokens == system_end(pair)   # from memory
 
@@ -160,7 +160,8 @@ def test_the_disk_budget_holds_under_many_prompts(pair, tmp_path):
     warm = cached(pair, tmp_path, every=64, disk_bytes=budget)
     for i in range(6):
         api.generate(warm, [i + 3] * (70 + 20 * i), max_tokens=2)
-        files = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path) if n != "named"]
+        files = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path)
+                 if n not in ("named", LOCK)]
         assert sum(os.path.getsize(f) for f in files) == warm.prompt_cache.store.nbytes
         assert warm.prompt_cache.store.nbytes <= budget
     assert warm.prompt_cache.store.writes > len(warm.prompt_cache.store.entries)   # evicted

@@ -105,15 +105,23 @@ class Chat:
                                                     "ids": self.conversation.ids})
         print(f"(saved {len(snap.tokens)} tokens of state to {path})")
 
-    def load(self, name: str):
-        """Continue the conversation saved as ``name``."""
-        snap, extra = self.store().load_named(name)
-        messages, ids = extra.get("messages"), extra.get("ids")
-        if not isinstance(messages, list) or not isinstance(ids, list) \
-                or list(snap.tokens) != ids[:len(snap.tokens)]:
-            from ..prompt_cache.disk import SnapshotError
-            raise SnapshotError(f"{name!r}: its conversation does not match its state")
-        self.session.restore(snap)
+    def load(self, name: str, how: str = "/load", otherwise: str = "the conversation goes "
+             "on as it was"):
+        """Continue the conversation saved as ``name``. One that cannot be continued (an
+        unusable file, another pair's state) is one warning, and nothing changes: the next
+        turn is prefilled as it would have been. A name never saved is an UnknownName."""
+        from ..prompt_cache.disk import UnknownName
+        store = self.store()        # an unusable directory is an error, not a warning
+        try:
+            snap, extra = store.load_named(name)
+            messages, ids = _saved_conversation(snap, extra)
+            self.session.restore(snap)      # refuses before it changes anything
+        except UnknownName:
+            raise
+        except (ValueError, OSError) as e:  # SnapshotError is a ValueError
+            print(f"warning: {how} {name} ({store.named_path(name)}): {e}; {otherwise}",
+                  file=sys.stderr)
+            return
         self.conversation.messages, self.conversation.ids = messages, ids
         self.turns = []
         print(f"(continuing {name!r}: {len(messages)} messages, {len(ids)} tokens, none "
@@ -133,8 +141,8 @@ class Chat:
         if self.args.resume is not None:
             from ..prompt_cache.disk import SnapshotError
             try:
-                self.load(self.args.resume)
-            except (SnapshotError, OSError) as e:
+                self.load(self.args.resume, "--resume", "starting a new conversation")
+            except (SnapshotError, OSError) as e:   # a name never saved, no usable directory
                 raise CommandError(f"--resume {self.args.resume}: {e}") from None
         while True:
             try:
@@ -277,6 +285,18 @@ class Chat:
             f"turns: {len(self.turns)}, context: {len(self.session.tokens)} tokens held by the "
             f"session", *format_stats(Stats.total(self.turns)),
             f"last answer: {format_line(self.turns[-1])}"])
+
+
+def _saved_conversation(snap, extra) -> tuple[list, list]:
+    """The messages and ids ``/save`` kept beside ``snap``; SnapshotError unless they are a
+    conversation whose ids begin with the snapshot's tokens."""
+    from ..prompt_cache.disk import SnapshotError
+    messages, ids = extra.get("messages"), extra.get("ids")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages) \
+            or not isinstance(ids, list) or not all(type(i) is int for i in ids) \
+            or list(snap.tokens) != ids[:len(snap.tokens)]:
+        raise SnapshotError("its conversation does not match its state")
+    return messages, ids
 
 
 def default_prompt_dir():

@@ -8,6 +8,7 @@ give alone."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
@@ -160,6 +161,20 @@ class Session:
         self.pending, self.pending_rows = [], 0
         return taps.shape[0]
 
+    @property
+    def origin(self) -> "Origin":
+        """The pair this session's snapshots belong to. Its models are known by the pair's
+        conversion receipts when the session runs the pair's own models (``pair.session()``),
+        and always by identity."""
+        receipts = getattr(self.home, "receipts", (None, None))
+        ours = [getattr(self.home, "target", None) is self.target,
+                self.drafter is not None and getattr(self.home, "drafter", None) is self.drafter]
+        model, drafter = (r if mine else None for r, mine in zip(receipts, ours))
+        models = (weakref.ref(self.target),
+                  None if self.drafter is None else weakref.ref(self.drafter))
+        return Origin(model, drafter, drafter_kind(self.drafter),
+                      str(getattr(self.target, "dtype", None)), models)
+
     def snapshot(self) -> "Snapshot":
         """The state after ``tokens``, to :meth:`restore` later (a server's prefix cache).
         Take it between steps (not between a verify and its commit)."""
@@ -168,15 +183,21 @@ class Session:
         pending = tuple(self.pending)
         draft_arrays = self.draft_cache.arrays() if self.draft_cache is not None else []
         mx.eval(list(pending) + draft_arrays)
-        snap = Snapshot(tuple(self.tokens), cache, draft, pending, self.pending_start, 0)
+        snap = Snapshot(tuple(self.tokens), cache, draft, pending, self.pending_start, 0,
+                        self.origin)
         return snap.with_nbytes()
 
     def restore(self, snap: "Snapshot"):
-        """Continue from ``snap`` (of a session on the same target and drafter); the
-        snapshot stays valid, so it can be restored again."""
-        if (snap.drafter is None) != (self.drafter is None):
-            raise ValueError("a snapshot restores only into a session like the one that took "
-                             "it (both with a drafter, or both without)")
+        """Continue from ``snap``, a snapshot of a session of the same pair; the snapshot
+        stays valid, so it can be restored again. ValueError, with the session untouched,
+        for another pair's snapshot (another target, drafter or dtype) or a state that does
+        not fit this target (:func:`layout_problem`)."""
+        problem = self.origin.mismatch(snap.origin) or \
+            layout_problem(snap, self.target.config.hybrid_override_pattern,
+                           self.origin.dtype)
+        if problem is not None:
+            raise ValueError(f"this snapshot does not restore into this session: {problem} "
+                             f"(the session is unchanged)")
         self.generation += 1
         self.reset()
         self.cache.restore(snap.cache)
@@ -200,6 +221,7 @@ class Snapshot:
     pending: tuple
     pending_start: int
     nbytes: int
+    origin: "Origin"
 
     def arrays(self) -> list[mx.array]:
         """Every distinct array the snapshot holds."""
@@ -220,3 +242,120 @@ def _arrays(tree) -> list[mx.array]:
     if isinstance(tree, (list, tuple)):
         return [x for t in tree for x in _arrays(t)]
     return []
+
+
+def drafter_kind(drafter) -> str | None:
+    """A drafter's kind as messages name it (its ``label``: "DSpark", "MTP", "EAGLE-3"; else
+    its class name), or None without a drafter."""
+    return None if drafter is None else getattr(drafter, "label", type(drafter).__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Origin:
+    """The pair a snapshot belongs to; it restores only into sessions of that pair. The target
+    and the drafter are known by their conversion receipts (hashes, also across processes)
+    or, in this process, by identity: weak references, so a snapshot keeps no model alive."""
+
+    model: str | None           # the target's receipt hash (None: not known)
+    drafter: str | None         # the drafter's receipt hash (None: not known, or no drafter)
+    kind: str | None            # drafter_kind(); None: no drafter
+    dtype: str                  # the compute dtype, as str(dtype)
+    models: tuple = ()          # weak references to (target, drafter); () when read from disk
+
+    def mismatch(self, other: "Origin") -> str | None:
+        """Why a snapshot of ``other`` cannot go into a session of this origin, in words;
+        None when it can."""
+        if other.kind != self.kind:
+            return f"it was taken {_with(other.kind)} and this session runs {_with(self.kind)}"
+        if other.dtype != self.dtype:
+            return (f"it was computed in {_short(other.dtype)} and this session computes in "
+                    f"{_short(self.dtype)}")
+        for i, what in enumerate(("target", "drafter")):
+            if self.kind is None and i == 1:
+                break
+            if not _same(self, other, i):
+                return f"it belongs to another {what} ({_known(other, i)}; this session's: " \
+                       f"{_known(self, i)})"
+        return None
+
+
+def _same(a: Origin, b: Origin, i: int) -> bool:
+    """Whether ``a`` and ``b`` name the same target (``i`` 0) or drafter (1): the same receipt
+    when both know one, else the same object."""
+    ra, rb = (a.model, b.model) if i == 0 else (a.drafter, b.drafter)
+    if ra is not None and rb is not None:
+        return ra == rb
+    if not a.models or not b.models or a.models[i] is None or b.models[i] is None:
+        return False
+    return a.models[i]() is not None and a.models[i]() is b.models[i]()
+
+
+def _known(origin: Origin, i: int) -> str:
+    receipt = origin.model if i == 0 else origin.drafter
+    return f"receipt {receipt[:12]}…" if receipt else "no receipt"
+
+
+def _with(kind: str | None) -> str:
+    return "without a drafter" if kind is None else f"with the {kind} drafter"
+
+
+def _short(dtype: str) -> str:
+    return dtype.rsplit(".", 1)[-1]
+
+
+def layout_problem(snap: Snapshot, pattern: str, dtype: str) -> str | None:
+    """Why ``snap`` cannot be the state of a target with layers ``pattern`` computing in
+    ``dtype`` (``str(dtype)``), in words; None when it can. A Mamba layer (``M``) holds its
+    float32 conv window ``[1, K-1, C]`` and SSM state ``[1, h, p, n]``, an attention layer
+    (``*``) its keys and values ``[1, heads, tokens, d]`` in ``dtype``, alike in every layer
+    of a kind; other blocks hold nothing, and so do all before the first token. The queued
+    taps ``[rows, width]`` (``dtype``) are those of the last tokens."""
+    offset, layers = snap.cache
+    if offset != len(snap.tokens):
+        return f"its target cache holds {offset} positions for {len(snap.tokens)} tokens"
+    if len(layers) != len(pattern):
+        return f"it has {len(layers)} target layers, and this target {len(pattern)}"
+    shapes: dict = {}
+    for i, (kind, layer) in enumerate(zip(pattern, layers)):
+        problem = _layer_problem(kind, layer, offset, dtype, shapes)
+        if problem is not None:
+            return f"target layer {i} ({kind}): {problem}"
+    return _pending_problem(snap, dtype)
+
+
+_STATES = {"M": ("conv window", "SSM state"), "*": ("keys", "values")}
+_RANKS = {"conv window": 3, "SSM state": 4, "keys": 4, "values": 4}
+
+
+def _layer_problem(kind: str, layer, offset: int, dtype: str, shapes: dict) -> str | None:
+    names = _STATES.get(kind)
+    if names is None or offset == 0:        # nothing kept, or nothing yet
+        empty = layer is None or (kind == "M" and isinstance(layer, tuple)
+                                  and all(x is None for x in layer))
+        return None if empty else "a state where this target keeps none"
+    if not isinstance(layer, tuple) or len(layer) != 2:
+        return f"its {' and '.join(names)} are missing"
+    want = str(mx.float32) if kind == "M" else dtype
+    for name, x in zip(names, layer):
+        if not isinstance(x, mx.array):
+            return f"its {name} is missing"
+        if x.ndim != _RANKS[name] or x.shape[0] != 1 or str(x.dtype) != want:
+            return f"its {name} is {x.dtype} {tuple(x.shape)}, not {_short(want)} with " \
+                   f"{_RANKS[name]} axes, the first 1"
+        if kind == "*" and x.shape[2] != offset:
+            return f"its {name} hold {x.shape[2]} positions, not {offset}"
+        if shapes.setdefault(name, x.shape) != x.shape:
+            return f"its {name} is {tuple(x.shape)}, another layer's {tuple(shapes[name])}"
+    return None
+
+
+def _pending_problem(snap: Snapshot, dtype: str) -> str | None:
+    taps = snap.pending
+    if any(not isinstance(t, mx.array) or t.ndim != 2 or str(t.dtype) != dtype
+           or t.shape[1] != taps[0].shape[1] for t in taps):
+        return f"its queued taps are not [rows, width] arrays of {_short(dtype)}"
+    rows = sum(t.shape[0] for t in taps)
+    if taps and snap.pending_start + rows != len(snap.tokens):
+        return f"its {rows} queued taps from position {snap.pending_start} are not those " \
+               f"of its last tokens ({len(snap.tokens)})"
+    return None

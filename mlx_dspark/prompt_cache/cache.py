@@ -36,25 +36,38 @@ class PromptCache:
         """Put ``session`` at the longest cached prefix of ``prompt`` (or empty) and plan the
         snapshots of the rest of its prefill; returns how many tokens were restored."""
         snap = self.memory.find(prompt, space) if self.memory is not None else None
-        where = "memory" if snap is not None else "none"
-        if self.store is not None:
-            entry = self.store.find(prompt, space, len(snap.tokens) if snap else 0)
-            loaded = self.store.load(entry) if entry is not None else None
-            if loaded is not None:
-                snap, where = loaded, "disk"
-                if self.memory is not None:
-                    self.memory.add(loaded, space)
-        self.found[where] += 1
-        if snap is not None:
+        if self._from_disk(session, prompt, space, len(snap.tokens) if snap else 0):
+            where = "disk"
+        elif snap is not None:
+            where = "memory"
             session.restore(snap)
         else:
+            where = "none"
             session.reset()
+        self.found[where] += 1
         start, end = len(session.tokens), len(prompt)
         cuts = {b for b in boundaries if start < b < end}
         cuts.update(range((start // self.every + 1) * self.every, end, self.every))
         session.checkpoints = tuple(sorted(cuts))
         session.on_checkpoint = lambda s: self.remember(s, space)
         return start
+
+    def _from_disk(self, session, prompt, space: str, longer_than: int) -> bool:
+        """Restore into ``session`` the longest snapshot on disk of ``space`` that begins
+        ``prompt`` with more than ``longer_than`` tokens; False when there is none it takes
+        (one that the store or the session refuses is dropped, with one warning)."""
+        entry = self.store.find(prompt, space, longer_than) if self.store is not None else None
+        snap = self.store.load(entry) if entry is not None else None
+        if snap is None:
+            return False
+        try:
+            session.restore(snap)
+        except ValueError as e:         # refused before anything changed
+            self.store.drop(entry, str(e))
+            return False
+        if self.memory is not None:
+            self.memory.add(snap, space)
+        return True
 
     def finish(self, session):
         """The request is over: no more checkpoints on this session."""

@@ -1,45 +1,46 @@
 """Session snapshots on disk (``--prompt-cache-dir``): they outlive the process.
 
-One snapshot is one safetensors file: its arrays (the tokens, each attention layer's keys and
-values, each Mamba layer's conv window and SSM state, the drafter's context, the queued taps)
-and, in the header's ``__metadata__``, what it belongs to: the format, the *identity* (the
-target's and drafter's conversion-receipt hashes, the compute dtype, the device kind), the
-space (API key and ``cache_salt``, hashed), the SHA-256 of the tokens, the layout needed to
-rebuild the snapshot, and the SHA-256 of the whole data section.
+A directory of snapshot files (snapshot_file.py), each named by the SHA-256 of the model's
+*identity* (the target's and drafter's conversion-receipt hashes, the drafter's kind, the
+compute dtype, the device kind, the layers), the space (API key and ``cache_salt``, hashed)
+and the tokens. A file is used only when every check of snapshot_file.py holds; any fault is
+one warning line, the entry dropped from the index and the prompt prefilled cold.
 
-Files are written to a temporary name and renamed (a crash leaves no half file under a real
-name), streamed array by array (no second copy of the snapshot in memory). A file is used only
-when it is a regular file (not a symlink) owned by this user, its format and identity match,
-its data hashes to the recorded checksum and its layers are the model's kinds; anything else is skipped with one warning line and the prompt is prefilled cold. The store
-keeps at most ``budget`` bytes of anonymous snapshots, evicting the least recently used (the
-files' modification times, touched on use); named snapshots (``/save NAME``,
-``mlx-dspark cache-prompt``) live under ``named/`` and are never evicted."""
+The directory is used only while it is a real directory (not a symlink) of this user that no
+one else may write: checked at start and again at each write, through a descriptor of the
+directory itself, so a symlink swapped in later is refused, never followed. The store keeps
+at most ``budget`` bytes of anonymous snapshots *in the directory*, whichever process wrote
+them: each write and each eviction runs under an exclusive lock on ``DIR/.lock`` (``flock``)
+and counts every snapshot file there, evicting the least recently used (modification times,
+touched on use by every process). Named snapshots (``/save NAME``, ``mlx-dspark
+cache-prompt``) live under ``named/`` and are never evicted."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import stat
 import struct
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..decode.session import Snapshot
+from ..decode.session import Snapshot, drafter_kind
+from .snapshot_file import SnapshotError, SnapshotFile, read_snapshot, write_snapshot
 
-FORMAT = "mlx-dspark-snapshot/1"
 SUFFIX = ".safetensors"
-MAX_HEADER = 64 << 20           # a longer header is not one of ours
+LOCK = ".lock"
 log = logging.getLogger("mlx_dspark.prompt_cache")
 
-_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int32: "I32",
-           mx.uint32: "U32"}
 
-
-class SnapshotError(ValueError):
-    """A file that is not a usable snapshot of this model (the message says why)."""
+class UnknownName(SnapshotError):
+    """No snapshot was saved under that name (or none can be: a name with a slash)."""
 
 
 def receipt_hash(path) -> str | None:
@@ -54,10 +55,12 @@ def receipt_hash(path) -> str | None:
     return hashlib.sha256(json.dumps(receipt["outputs"], sort_keys=True).encode()).hexdigest()
 
 
-def identity(model_hash: str, drafter_hash: str | None, dtype, pattern: str) -> dict:
+def identity(model_hash: str, drafter_hash: str | None, dtype, pattern: str,
+             kind: str | None = None) -> dict:
     """What a snapshot belongs to: the same tokens on another model, drafter, dtype or device
-    kind give another state. ``pattern``: the target's layer kinds (hybrid_override_pattern)."""
-    return {"model": model_hash, "drafter": drafter_hash, "dtype": str(dtype),
+    kind give another state. ``pattern``: the target's layer kinds (hybrid_override_pattern);
+    ``kind``: the drafter's (session.drafter_kind)."""
+    return {"model": model_hash, "drafter": drafter_hash, "kind": kind, "dtype": str(dtype),
             "device": "gpu" if mx.default_device() == mx.gpu else "cpu", "layers": pattern}
 
 
@@ -71,92 +74,9 @@ def open_store(directory, pair, with_drafter: bool, budget: int, warn=None) -> "
                             "and this model or drafter has no receipt")
     ident = identity(model_hash, drafter_hash if with_drafter else None,
                      getattr(pair.target, "dtype", None),
-                     pair.target.config.hybrid_override_pattern)
+                     pair.target.config.hybrid_override_pattern,
+                     drafter_kind(pair.drafter if with_drafter else None))
     return PromptStore(directory, ident, budget, warn)
-
-
-# --------------------------------------------------------------------------------- encoding
-
-
-def _tensors(snap: Snapshot) -> tuple[dict, dict]:
-    """The snapshot's arrays by name, and the layout that puts them back."""
-    arrays = {"tokens": mx.array(snap.tokens, dtype=mx.int32)}
-    offset, layers = snap.cache
-    kinds = []
-    for i, layer in enumerate(layers):
-        if layer is None:       # a stateless block, or attention before any token
-            kinds.append(None)
-            continue
-        # Mamba: (conv [b, K-1, C] or None, ssm [b, h, p, n] or None); attention: (k, v)
-        mamba = layer[0] is None or layer[0].ndim == 3
-        kinds.append("mamba" if mamba else "kv")
-        for name, x in zip(("conv", "ssm") if mamba else ("k", "v"), layer):
-            if x is not None:
-                arrays[f"t.{i}.{name}"] = x
-    layout = {"offset": offset, "layers": kinds, "pending_start": snap.pending_start,
-              "pending": len(snap.pending), "drafter": None}
-    for j, x in enumerate(snap.pending):
-        arrays[f"p.{j}"] = x
-    if snap.drafter is not None:
-        # Each drafter's cache has its own state (DSpark: length and K/V per layer; MTP and
-        # EAGLE-3 add the newest context row): stored as its nesting and its arrays in order.
-        flat = []
-        layout["drafter"] = {"tree": _flatten(snap.drafter, flat)}
-        for j, x in enumerate(flat):
-            arrays[f"d.{j}"] = x
-    return arrays, layout
-
-
-def _flatten(tree, out: list):
-    """The JSON shape of a nest of tuples, ints, None and arrays; the arrays go to ``out``."""
-    if isinstance(tree, mx.array):
-        out.append(tree)
-        return "array"
-    if tree is None or isinstance(tree, int):
-        return tree
-    return [_flatten(t, out) for t in tree]
-
-
-def _unflatten(spec, arrays: dict, at: list):
-    if spec == "array":
-        at[0] += 1
-        return arrays[f"d.{at[0] - 1}"]
-    if spec is None or isinstance(spec, int):
-        return spec
-    return tuple(_unflatten(t, arrays, at) for t in spec)
-
-
-def _snapshot(arrays: dict, layout: dict) -> Snapshot:
-    """The inverse of :func:`_tensors` (arrays checked by the caller's layout checks)."""
-    layers = []
-    for i, kind in enumerate(layout["layers"]):
-        if kind is None:
-            layers.append(None)
-        elif kind == "mamba":
-            layers.append((arrays.get(f"t.{i}.conv"), arrays.get(f"t.{i}.ssm")))
-        else:
-            k, v = arrays.get(f"t.{i}.k"), arrays.get(f"t.{i}.v")
-            layers.append(None if k is None else (k, v))
-    drafter = None
-    if layout["drafter"] is not None:
-        drafter = _unflatten(layout["drafter"]["tree"], arrays, [0])
-    pending = tuple(arrays[f"p.{j}"] for j in range(layout["pending"]))
-    tokens = tuple(arrays["tokens"].tolist())
-    snap = Snapshot(tokens, (layout["offset"], tuple(layers)), drafter, pending,
-                    layout["pending_start"], 0)
-    return snap.with_nbytes()
-
-
-def _raw(x: mx.array) -> memoryview:
-    """The bytes of an evaluated array, row-major, without copying when it is contiguous."""
-    if x.size == 0:
-        return memoryview(b"")
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)
-    m = memoryview(x)
-    if not m.c_contiguous:
-        m = memoryview(mx.contiguous(x))
-    return m.cast("B")
 
 
 # ------------------------------------------------------------------------------------ store
@@ -168,7 +88,6 @@ class Entry:
     tokens: tuple
     space: str
     size: int
-    used: float                 # last use (the file's modification time)
 
 
 class PromptStore:
@@ -182,8 +101,10 @@ class PromptStore:
         self.writes = self.reads = 0
         self.failing = False            # the last write failed (a full disk)
         self.t_write = self.t_read = 0.0
-        _own_directory(self.dir)
-        _own_directory(os.path.join(self.dir, "named"))
+        for path in (self.dir, os.path.join(self.dir, "named")):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            with _directory(path):      # checked now, and again before each write
+                pass
         self._scan()
 
     @property
@@ -209,40 +130,49 @@ class PromptStore:
         return os.path.join(self.dir, self._name(tokens, space)) in self.entries
 
     def load(self, entry: Entry) -> Snapshot | None:
-        """The snapshot of ``entry``, verified; None (one warning, the file dropped from the
-        index) when it cannot be used."""
-        import time
+        """The snapshot of ``entry``, verified; None (the entry dropped from the index, with
+        one warning when the file is unusable) when it cannot be used."""
         t0 = time.perf_counter()
         try:
             snap, meta = read_snapshot(entry.path, self.ident)
-            if snap.tokens != entry.tokens or meta.get("space") != entry.space:
+            if snap.tokens != entry.tokens or meta["space"] != entry.space:
                 raise SnapshotError("its tokens changed since it was indexed")
-        except (SnapshotError, OSError, ValueError) as e:
-            self.warn(f"prompt cache: {entry.path}: {e}; not used (the prompt is prefilled)")
+        except FileNotFoundError:       # evicted by another process sharing the directory
             self.entries.pop(entry.path, None)
             return None
+        except (SnapshotError, OSError) as e:
+            self.drop(entry, str(e))
+            return None
         _touch(entry.path)
-        entry.used = os.stat(entry.path).st_mtime
         self.reads += 1
         self.t_read += time.perf_counter() - t0
         return snap
+
+    def drop(self, entry: Entry, why: str):
+        """Forget ``entry``, whose file cannot be used, with one warning line."""
+        self.warn(f"prompt cache: {entry.path}: {why}; not used (the prompt is prefilled)")
+        self.entries.pop(entry.path, None)
 
     # --- saving
 
     def add(self, snap: Snapshot, space: str = "") -> bool:
         """Write ``snap`` unless it is there already or larger than the budget; evict the
-        least recently used files to make room. False when nothing was written."""
-        import time
-        path = os.path.join(self.dir, self._name(snap.tokens, space))
+        least recently used files of the directory to make room. False when nothing was
+        written."""
+        name = self._name(snap.tokens, space)
+        path = os.path.join(self.dir, name)
         if path in self.entries:
             _touch(path)
             return False
         if snap.nbytes > self.budget:
             return False
-        self._evict(self.budget - snap.nbytes)
         t0 = time.perf_counter()
         try:
-            size = write_snapshot(path, snap, self.ident, space)
+            with self._locked() as dfd:
+                self._make_room(dfd, self.budget - snap.nbytes)
+                size = write_snapshot(name, snap, self.ident, space, dir_fd=dfd)
+                self.entries[path] = Entry(path, tuple(snap.tokens), space, size)
+                self._make_room(dfd, self.budget, keep=name)
         except OSError as e:
             if not self.failing:        # one line when writes start failing, not one each
                 self.warn(f"prompt cache: cannot write {path} ({e.strerror or e}); snapshots "
@@ -252,15 +182,13 @@ class PromptStore:
         self.failing = False
         self.writes += 1
         self.t_write += time.perf_counter() - t0
-        self.entries[path] = Entry(path, tuple(snap.tokens), space, size,
-                                   os.stat(path).st_mtime)
-        self._evict(self.budget)
         return True
 
     def save_named(self, name: str, snap: Snapshot, extra: dict) -> str:
         """Write ``snap`` as ``named/NAME`` with ``extra`` (JSON) beside it; returns the path."""
         path = self.named_path(name)
-        write_snapshot(path, snap, self.ident, "", extra)
+        with _directory(os.path.dirname(path)) as dfd:
+            write_snapshot(os.path.basename(path), snap, self.ident, "", extra, dir_fd=dfd)
         return path
 
     def load_named(self, name: str) -> tuple[Snapshot, dict]:
@@ -268,17 +196,20 @@ class PromptStore:
         is missing or unusable."""
         path = self.named_path(name)
         if not os.path.lexists(path):
-            raise SnapshotError(f"no saved conversation named {name!r} in {self.dir}")
+            raise UnknownName(f"no saved conversation named {name!r} in {self.dir}")
         snap, meta = read_snapshot(path, self.ident)
         try:
-            return snap, json.loads(meta.get("extra") or "{}")
-        except ValueError:
-            raise SnapshotError(f"{path}: its saved conversation is not JSON") from None
+            extra = json.loads(meta.get("extra") or "{}")
+        except (ValueError, RecursionError):
+            extra = None
+        if not isinstance(extra, dict):
+            raise SnapshotError("its saved conversation is not a JSON object")
+        return snap, extra
 
     def named_path(self, name: str) -> str:
         if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
-            raise SnapshotError(f"{name!r} is not a usable name (no slashes, not starting "
-                                f"with a dot)")
+            raise UnknownName(f"{name!r} is not a usable name (no slashes, not starting "
+                              f"with a dot)")
         return os.path.join(self.dir, "named", name + SUFFIX)
 
     # --- internals
@@ -289,193 +220,113 @@ class PromptStore:
         h.update(struct.pack(f"<{len(tokens)}i", *tokens))
         return h.hexdigest()[:40] + SUFFIX
 
-    def _evict(self, room: int):
-        while self.entries and self.nbytes > room:
-            old = min(self.entries.values(), key=lambda e: e.used)
-            del self.entries[old.path]
+    @contextmanager
+    def _locked(self):
+        """The directory, checked, as a descriptor, with its lock held: no other process
+        writes or evicts in it meanwhile (closing the lock's descriptor releases it)."""
+        with _directory(self.dir) as dfd:
+            lock = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
             try:
-                os.unlink(old.path)
-            except OSError:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield dfd
+            finally:
+                os.close(lock)
+
+    def _make_room(self, dfd: int, room: int, keep: str | None = None):
+        """Evict the least recently used snapshot files of the directory (ours: any process's,
+        any model's) until they hold at most ``room`` bytes; ``keep`` stays. Under the lock."""
+        files = _snapshot_files(dfd)
+        total = sum(size for _, _, size in files)
+        for _, name, size in sorted(files):
+            if total <= room:
+                break
+            if name == keep:
+                continue
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
                 pass
+            total -= size
+            self.entries.pop(os.path.join(self.dir, name), None)
 
     def _scan(self):
         """Index the snapshots already in the directory; what cannot be used is skipped, with
         one warning line in all (its count by reason, and the first such file)."""
         skipped: dict[str, list[str]] = {}
-        for name in sorted(os.listdir(self.dir)):
-            path = os.path.join(self.dir, name)
-            if name.startswith(".tmp-"):
-                _remove_stale(path)
-                continue
-            if name == "named":
-                continue
-            try:
-                meta, st = _header(path)
-                if meta.get("identity") != _canon(self.ident):
-                    raise SnapshotError("another model's, drafter's, dtype's or device's")
-                tokens = _read_tokens(path, meta)
-            except (SnapshotError, OSError, ValueError) as e:
-                skipped.setdefault(str(e), []).append(name)
-                continue
-            self.entries[path] = Entry(path, tokens, meta.get("space", ""), st.st_size,
-                                       st.st_mtime)
+        with self._locked() as dfd:
+            for name in sorted(os.listdir(dfd)):
+                if name.startswith(".tmp-"):     # under the lock: no writer is running
+                    _remove_stale(name, dfd)
+                if name.startswith(".") or name == "named":
+                    continue
+                try:
+                    self._index(name)
+                except (SnapshotError, OSError) as e:
+                    skipped.setdefault(str(e), []).append(name)
+            self._make_room(dfd, self.budget)
         if skipped:
             reasons = "; ".join(f"{why}: {len(names)}" for why, names in skipped.items())
             first = next(iter(skipped.values()))[0]
             self.warn(f"prompt cache: {self.dir}: {sum(map(len, skipped.values()))} file(s) "
                       f"not used ({reasons}; e.g. {first})")
-        self._evict(self.budget)
+
+    def _index(self, name: str):
+        if not name.endswith(SUFFIX):
+            raise SnapshotError("not a snapshot file")
+        path = os.path.join(self.dir, name)
+        with SnapshotFile(path, self.ident) as f:
+            self.entries[path] = Entry(path, f.tokens(), f.meta["space"], f.st.st_size)
 
 
-def _canon(ident: dict) -> str:
-    return json.dumps(ident, sort_keys=True)
+@contextmanager
+def _directory(path: str):
+    """A descriptor of ``path`` once it is a real directory (not a symlink) of this user that
+    neither its group nor others may write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OSError(f"{path} is not a directory (a symlink or a file)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise OSError(f"{path} belongs to another user")
+        if st.st_mode & 0o022:
+            raise OSError(f"{path} can be written by other users (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _snapshot_files(dfd: int) -> list[tuple[int, str, int]]:
+    """(modification time, name, size) of each snapshot file of ours in the directory."""
+    out = []
+    for name in os.listdir(dfd):
+        if name.startswith(".") or not name.endswith(SUFFIX):
+            continue
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            out.append((st.st_mtime_ns, name, st.st_size))
+    return out
 
 
 def _touch(path: str):
     try:
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)
     except OSError:
         pass
 
 
-def _remove_stale(path: str):
+def _remove_stale(name: str, dfd: int):
     """A temporary file a crashed writer left (ours only)."""
     try:
-        st = os.lstat(path)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-            os.unlink(path)
+            os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
-
-
-def _own_directory(path: str):
-    """Create ``path`` (mode 0700) or check that it is a real directory of this user."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a directory (a symlink or a file)")
-    if st.st_uid != os.getuid():
-        raise OSError(f"{path} belongs to another user")
-
-
-# ------------------------------------------------------------------------------ file format
-
-
-def write_snapshot(path: str, snap: Snapshot, ident: dict, space: str,
-                   extra: dict | None = None) -> int:
-    """Write ``snap`` to ``path`` atomically (temporary file, fsync, rename); its size."""
-    arrays, layout = _tensors(snap)
-    mx.eval(list(arrays.values()))
-    digest, offsets, at = hashlib.sha256(), {}, 0
-    for name, x in arrays.items():
-        raw = _raw(x)
-        digest.update(raw)
-        offsets[name] = {"dtype": _DTYPES[x.dtype], "shape": list(x.shape),
-                         "data_offsets": [at, at + raw.nbytes]}
-        at += raw.nbytes
-    meta = {"format": FORMAT, "identity": _canon(ident), "space": space,
-            "tokens_sha256": hashlib.sha256(_raw(arrays["tokens"])).hexdigest(),
-            "n_tokens": str(len(snap.tokens)), "layout": json.dumps(layout),
-            "payload_sha256": digest.hexdigest()}
-    if extra is not None:
-        meta["extra"] = json.dumps(extra)
-    header = json.dumps({"__metadata__": meta, **offsets}).encode()
-    header += b" " * (-len(header) % 8)
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with open(fd, "wb") as fh:
-            fh.write(struct.pack("<Q", len(header)) + header)
-            for x in arrays.values():
-                fh.write(_raw(x))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return 8 + len(header) + at
-
-
-def _header(path: str) -> tuple[dict, os.stat_result]:
-    """The metadata of a snapshot file, after the checks that need no data."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise SnapshotError("a symlink")
-    if not stat.S_ISREG(st.st_mode):
-        raise SnapshotError("not a regular file")
-    if st.st_uid != os.getuid():
-        raise SnapshotError("written by another user")
-    if not path.endswith(SUFFIX):
-        raise SnapshotError("not a snapshot file")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with open(fd, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise SnapshotError("truncated (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > st.st_size:
-            raise SnapshotError("truncated or not a snapshot (bad header length)")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError:
-            raise SnapshotError("not a snapshot (header is not JSON)") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise SnapshotError(f"not an {FORMAT} file")
-    meta = dict(meta, _tensors=header, _data=8 + n)
-    return meta, st
-
-
-def _read_tokens(path: str, meta: dict) -> tuple:
-    spec = meta["_tensors"].get("tokens")
-    if not isinstance(spec, dict) or spec.get("dtype") != "I32":
-        raise SnapshotError("no token list")
-    a, b = spec["data_offsets"]
-    with open(path, "rb") as fh:
-        fh.seek(meta["_data"] + a)
-        raw = fh.read(b - a)
-    if len(raw) != b - a:
-        raise SnapshotError("truncated")
-    if hashlib.sha256(raw).hexdigest() != meta.get("tokens_sha256"):
-        raise SnapshotError("its tokens do not match their checksum")
-    return tuple(struct.unpack(f"<{len(raw) // 4}i", raw))
-
-
-def read_snapshot(path: str, ident: dict) -> tuple[Snapshot, dict]:
-    """The snapshot in ``path`` and its metadata, after every check (SnapshotError)."""
-    meta, st = _header(path)
-    if meta.get("identity") != _canon(ident):
-        raise SnapshotError("a snapshot of another model, drafter, dtype or device")
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with open(fd, "rb") as fh:
-        fh.seek(meta["_data"])
-        size = 0
-        while block := fh.read(1 << 22):
-            digest.update(block)
-            size += len(block)
-    spans = [s["data_offsets"][1] for k, s in meta["_tensors"].items() if k != "__metadata__"]
-    if size != max(spans, default=0):
-        raise SnapshotError("truncated" if size < max(spans, default=0) else "has extra bytes")
-    if digest.hexdigest() != meta.get("payload_sha256"):
-        raise SnapshotError("corrupt (its data does not match its checksum)")
-    try:
-        arrays = mx.load(path)
-        layout = json.loads(meta["layout"])
-        snap = _snapshot(arrays, layout)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise SnapshotError(f"not a snapshot this version can read ({type(e).__name__})") \
-            from None
-    want = [{"*": ("kv", None), "M": ("mamba",)}.get(c, (None,)) for c in ident["layers"]]
-    if len(layout["layers"]) != len(want) or \
-            any(k not in w for k, w in zip(layout["layers"], want)):
-        raise SnapshotError("its layers are not this model's")
-    if (snap.drafter is None) != (ident["drafter"] is None):
-        raise SnapshotError("taken with a different drafter setting")
-    if len(snap.tokens) != int(meta.get("n_tokens", -1)):
-        raise SnapshotError("its token count does not match its header")
-    return snap, meta
