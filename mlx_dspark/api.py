@@ -71,6 +71,15 @@ class Pair:
                         "`pair = md.load(...)` and `md.generate(pair, prompt)`; its parts are "
                         "pair.target, pair.drafter and pair.tokenizer")
 
+    def __reduce_ex__(self, protocol):
+        # pickle and copy: the models' MLX arrays and compiled kernels live in this process
+        raise TypeError("a Pair cannot be pickled or copied: its models live in this "
+                        "process's memory. Load the pair in the other process (md.load with "
+                        "the same arguments); to carry a conversation's state over, give "
+                        "both md.load(..., prompt_cache_dir=DIR) (snapshots on disk), or "
+                        "use chat's /save and --resume; dataclasses.replace(pair, ...) "
+                        "makes a variant in this process")
+
     @functools.cached_property
     def decodable(self) -> int | None:
         """How many ids the tokenizer can decode, when fewer than the model's vocabulary (a

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..decode.session import Snapshot, drafter_kind
-from .snapshot_file import SnapshotError, SnapshotFile, read_snapshot, write_snapshot
+from .snapshot_file import SnapshotError, SnapshotFile, encode, read_snapshot, write, \
+    write_snapshot
 
 SUFFIX = ".safetensors"
 LOCK = ".lock"
@@ -164,15 +165,15 @@ class PromptStore:
         if path in self.entries:
             _touch(path)
             return False
-        if snap.nbytes > self.budget:
-            return False
         t0 = time.perf_counter()
+        encoded = encode(snap, self.ident, space)
+        if encoded.size > self.budget:
+            return False
         try:
             with self._locked() as dfd:
-                self._make_room(dfd, self.budget - snap.nbytes)
-                size = write_snapshot(name, snap, self.ident, space, dir_fd=dfd)
-                self.entries[path] = Entry(path, tuple(snap.tokens), space, size)
-                self._make_room(dfd, self.budget, keep=name)
+                self._make_room(dfd, self.budget - encoded.size)
+                self.entries[path] = Entry(path, tuple(snap.tokens), space,
+                                           write(name, encoded, dfd))
         except OSError as e:
             if not self.failing:        # one line when writes start failing, not one each
                 self.warn(f"prompt cache: cannot write {path} ({e.strerror or e}); snapshots "
@@ -232,16 +233,14 @@ class PromptStore:
             finally:
                 os.close(lock)
 
-    def _make_room(self, dfd: int, room: int, keep: str | None = None):
+    def _make_room(self, dfd: int, room: int):
         """Evict the least recently used snapshot files of the directory (ours: any process's,
-        any model's) until they hold at most ``room`` bytes; ``keep`` stays. Under the lock."""
+        any model's) until they hold at most ``room`` bytes. Under the lock."""
         files = _snapshot_files(dfd)
         total = sum(size for _, _, size in files)
         for _, name, size in sorted(files):
             if total <= room:
                 break
-            if name == keep:
-                continue
             try:
                 os.unlink(name, dir_fd=dfd)
             except FileNotFoundError:

@@ -5,9 +5,11 @@ The arrays: ``tokens`` (int32), per target layer ``t.{i}.conv`` and ``t.{i}.ssm`
 state ``d.{j}``. The header's ``__metadata__`` holds what the file belongs to (``identity``:
 receipts, drafter kind, dtype, device, layers), its ``space``, its token count and their
 SHA-256 (checked when a directory is indexed, without reading the rest), the ``layout`` that
-puts the arrays back together, and ``sha256``: the SHA-256 of the canonical header (the header
-without ``sha256``, as :func:`canonical` writes it) followed by the data. No bit of the file
-changes unnoticed, a tensor's name in the header included.
+puts the arrays back together, and two checksums (:func:`seal`): ``sha256``, the SHA-256 of
+the canonical header (without its checksums, as :func:`canonical` writes it) followed by the
+data, checked before a snapshot is used, and ``header_sha256``, of the canonical header with
+``sha256``, checked when a directory is indexed. No bit of the file changes unnoticed, a
+tensor's name in the header included.
 
 Reading trusts nothing it has not checked, in pure Python (no other parser sees the file): the
 header's length must fit the file, its JSON be an object of the safetensors shape; every span
@@ -25,6 +27,7 @@ import json
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from math import prod
 
 import mlx.core as mx
@@ -44,7 +47,8 @@ _DTYPES = {"F32": (mx.float32, np.float32), "F16": (mx.float16, np.float16),
 _CODES = {str(d): code for code, (d, _) in _DTYPES.items()}
 _SPEC_KEYS = {"dtype", "shape", "data_offsets"}
 _LAYOUT_KEYS = {"offset", "layers", "pending_start", "pending", "drafter"}
-_META_KEYS = {"format", "identity", "space", "tokens_sha256", "n_tokens", "layout", "sha256"}
+_CHECKSUMS = {"sha256", "header_sha256"}
+_META_KEYS = {"format", "identity", "space", "tokens_sha256", "n_tokens", "layout"} | _CHECKSUMS
 
 
 class SnapshotError(ValueError):
@@ -146,10 +150,22 @@ def _raw(x: mx.array) -> memoryview:
 # ---------------------------------------------------------------------------------- writing
 
 
-def write_snapshot(path: str, snap: Snapshot, ident: dict, space: str,
-                   extra: dict | None = None, dir_fd: int | None = None) -> int:
-    """Write ``snap`` to ``path`` (relative to the directory ``dir_fd`` when given) atomically:
-    a temporary file, fsync, rename. Returns its size."""
+@dataclass(frozen=True)
+class Encoded:
+    """A snapshot file's bytes before they are written: the header (its length first) and
+    the evaluated arrays, written from their own buffers (no second copy of the snapshot)."""
+
+    head: bytes
+    arrays: tuple
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(_raw(x).nbytes for x in self.arrays)
+
+
+def encode(snap: Snapshot, ident: dict, space: str, extra: dict | None = None) -> Encoded:
+    """The file of ``snap``, a snapshot of ``ident``'s model in ``space`` (``extra``: JSON
+    kept in the header, a named snapshot's conversation)."""
     arrays, layout = _tensors(snap)
     mx.eval(list(arrays.values()))
     header, at = {}, 0
@@ -164,19 +180,33 @@ def write_snapshot(path: str, snap: Snapshot, ident: dict, space: str,
     if extra is not None:
         meta["extra"] = json.dumps(extra)
     header["__metadata__"] = meta
-    digest = _digest(header)
-    for x in arrays.values():
-        digest.update(_raw(x))
-    meta["sha256"] = digest.hexdigest()
+    seal(header, (_raw(x) for x in arrays.values()))
     head = canonical(header)
     head += b" " * (-len(head) % 8)
+    return Encoded(struct.pack("<Q", len(head)) + head, tuple(arrays.values()))
+
+
+def seal(header: dict, data):
+    """Put the checksums of ``header`` and its ``data`` (byte strings, in file order) into
+    the header's metadata: ``sha256`` over the canonical header and the data, then
+    ``header_sha256`` over the canonical header with ``sha256`` (what a scan checks)."""
+    digest = _digest(header)
+    for raw in data:
+        digest.update(raw)
+    header["__metadata__"]["sha256"] = digest.hexdigest()
+    header["__metadata__"]["header_sha256"] = _header_digest(header)
+
+
+def write(path: str, encoded: Encoded, dir_fd: int | None = None) -> int:
+    """Write ``encoded`` to ``path`` (relative to the directory ``dir_fd`` when given)
+    atomically: a temporary file, fsync, rename. Returns its size."""
     tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                  dir_fd=dir_fd)
     try:
         with open(fd, "wb") as fh:
-            fh.write(struct.pack("<Q", len(head)) + head)
-            for x in arrays.values():     # straight from the arrays' buffers, no second copy
+            fh.write(encoded.head)
+            for x in encoded.arrays:
                 fh.write(_raw(x))
             fh.flush()
             os.fsync(fh.fileno())
@@ -187,17 +217,28 @@ def write_snapshot(path: str, snap: Snapshot, ident: dict, space: str,
         except OSError:
             pass
         raise
-    return 8 + len(head) + at
+    return encoded.size
+
+
+def write_snapshot(path: str, snap: Snapshot, ident: dict, space: str,
+                   extra: dict | None = None, dir_fd: int | None = None) -> int:
+    """:func:`encode` and :func:`write` in one call; the file's size."""
+    return write(path, encode(snap, ident, space, extra), dir_fd)
 
 
 def _digest(header: dict):
-    """A SHA-256 fed with the canonical header (``sha256`` left out), length first: the data
+    """A SHA-256 fed with the canonical header (checksums left out), length first: the data
     goes in next."""
-    meta = {k: v for k, v in header["__metadata__"].items() if k != "sha256"}
+    meta = {k: v for k, v in header["__metadata__"].items() if k not in _CHECKSUMS}
     head = canonical(dict(header, __metadata__=meta))
     digest = hashlib.sha256(struct.pack("<Q", len(head)))
     digest.update(head)
     return digest
+
+
+def _header_digest(header: dict) -> str:
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "header_sha256"}
+    return hashlib.sha256(canonical(dict(header, __metadata__=meta))).hexdigest()
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -219,6 +260,8 @@ class SnapshotFile:
             self.st = _own_file(os.fstat(fd))
             self.header, self.data = _read_header(self.fh, self.st.st_size)
             self.meta = self.header["__metadata__"]
+            if _header_digest(self.header) != self.meta["header_sha256"]:
+                raise SnapshotError("corrupt (its header does not match its checksum)")
             self.tensors = _spans(self.header, self.st.st_size - self.data)
             self.layout = _layout(self.meta, ident)
             _check_tensors(self.tensors, self.layout, ident)

@@ -84,11 +84,9 @@ def rewrite(path, header: dict, data: bytes, reseal: bool = True):
     """Write ``header`` and ``data`` as the file ``path``; ``reseal``: with the checksum of
     what is written, as a faulty or hostile writer of this format would (only the checks
     beyond the checksum can refuse it)."""
-    from mlx_dspark.prompt_cache.snapshot_file import _digest, canonical
+    from mlx_dspark.prompt_cache.snapshot_file import canonical, seal
     if reseal:
-        digest = _digest(header)
-        digest.update(data)
-        header["__metadata__"]["sha256"] = digest.hexdigest()
+        seal(header, [data])
     head = canonical(header)
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(head)) + head + data)
