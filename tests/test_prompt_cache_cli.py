@@ -5,6 +5,7 @@ across a restart, with snapshots shared only within one API key and ``cache_salt
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlx_dspark.testing.server import launch
+from mlx_dspark.testing import spoil
+from mlx_dspark.testing.server import launch, stop
 
 pytestmark = pytest.mark.slow       # subprocesses and servers
 
@@ -103,3 +105,38 @@ def test_serve_keeps_snapshots_across_a_restart_within_one_key_and_salt(tmp_path
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_starts_and_answers_cold_on_a_directory_of_spoiled_headers(tmp_path):
+    """Issue 35: a flipped ``tokens`` key kept the server from starting, and a flipped
+    ``data_offsets`` key gave every request with that prefix a 500."""
+    def conversation(q):
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+
+    d = tmp_path / "cache"
+    flags = ["--prompt-cache-dir", str(d)]
+    proc, url = launch(flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        cold = _chat(url, conversation("def parse(line):"))[0]
+        first_answer = _chat(url, conversation("class A:"))[0]
+    finally:
+        stop(proc)
+    files = sorted(d.glob("*.safetensors"))
+    for f in files:
+        spoil.renamed_key(str(f))               # every snapshot: a layer's key
+    shutil.copy(files[0], d / "copy.safetensors")
+    spoil.flip_in_header(str(d / "copy.safetensors"), b'"data_offsets"', 12, 0x01,
+                         after=b'"tokens"')     # and one with the tokens' key
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc, url = launch(flags, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            assert _chat(url, conversation("def parse(line):"))[0] == cold
+            assert _chat(url, conversation("def parse(line):"))[0] == cold    # again: no 500
+            assert _chat(url, conversation("class A:"))[0] == first_answer
+        finally:
+            stop(proc)
+    text = log.read_text()
+    assert "Traceback" not in text
+    warnings = [line for line in text.splitlines() if "prompt cache:" in line]
+    assert len(warnings) == 1 and f"{len(files) + 1} file(s) not used" in warnings[0], text

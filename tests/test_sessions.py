@@ -6,6 +6,8 @@ whose refusals name the parameter (and, on the command line, the flag)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import warnings
 
 import mlx.core as mx
@@ -123,6 +125,72 @@ def test_a_snapshot_restores_both_caches_exactly(pair):
     first = md.generate(pair, follow, max_tokens=10, speculative="on", session=s).tokens
     s.restore(snap)
     assert md.generate(pair, follow, max_tokens=10, speculative="on", session=s).tokens == first
+
+
+def _snapshot_of(pair, prompt):
+    session = pair.session()
+    md.generate(pair, prompt, max_tokens=5, speculative="on", session=session)
+    return session.snapshot()
+
+
+@pytest.mark.parametrize("other,reason", [
+    (dict(drafter="mtp"), "taken with the drafter 'mtp' and this session runs with the "
+                          "drafter 'dspark'"),
+    (dict(drafter="eagle3"), "taken with the drafter 'eagle3'"),
+    (dict(dtype="bfloat16"), "computed in bfloat16 and this session computes in float32"),
+], ids=["mtp", "eagle3", "bfloat16"])
+def test_restore_refuses_another_pairs_snapshot_first_and_the_session_goes_on(
+        pair, other, reason):
+    """Issue 35: an MTP or EAGLE-3 pair's snapshot raised only after it had replaced the
+    target cache, and a bfloat16 pair's was taken into a float32 session."""
+    snap = _snapshot_of(md.load(**other), PROMPTS[0])
+    session, twin = pair.session(), pair.session()
+    for s in (session, twin):
+        md.generate(pair, PROMPTS[1], max_tokens=5, speculative="on", session=s)
+    held = list(session.tokens)
+    with pytest.raises(ValueError, match=reason):
+        session.restore(snap)
+    assert session.tokens == held
+    follow = held + [10, 11]
+    assert md.generate(pair, follow, max_tokens=10, speculative="on", session=session).tokens \
+        == md.generate(pair, follow, max_tokens=10, speculative="on", session=twin).tokens
+
+
+def test_restore_refuses_a_snapshot_whose_state_does_not_fit_the_target(pair):
+    snap = _snapshot_of(pair, PROMPTS[2])
+    offset, layers = snap.cache
+    session = pair.session()
+    md.generate(pair, PROMPTS[1], max_tokens=5, session=session)
+    held = list(session.tokens)
+    keys, values = layers[3]
+    for bad, reason in [
+            (dict(cache=(offset, layers[:-1])), "it has 5 target layers"),
+            (dict(cache=(offset, layers[:3] + (None,) + layers[4:])), "keys and values are "
+                                                                      "missing"),
+            (dict(cache=(offset, layers[:3] + ((keys.astype(mx.bfloat16), values),)
+                         + layers[4:])), "keys is mlx.core.bfloat16"),
+            (dict(tokens=snap.tokens[:-1]), f"holds {offset} positions for {offset - 1} "
+                                            f"tokens")]:
+        with pytest.raises(ValueError, match=reason):
+            session.restore(dataclasses.replace(snap, **bad))
+        assert session.tokens == held
+
+
+def test_a_snapshot_of_another_model_object_without_receipts_is_refused(pair):
+    """Without receipts a session knows its models by identity (the same weights loaded
+    twice are two models to it)."""
+    again = md.load()
+    bare = [dataclasses.replace(p, receipts=(None, None)) for p in (pair, again)]
+    snap = _snapshot_of(bare[1], PROMPTS[0])
+    with pytest.raises(ValueError, match="another target .no receipt"):
+        bare[0].session().restore(snap)
+    bare[1].session().restore(snap)          # its own pair takes it
+
+
+def test_pickling_a_pair_says_what_to_do_instead(pair):
+    with pytest.raises(TypeError, match=r"cannot be pickled.*Load the pair in the other "
+                                        r"process.*prompt_cache_dir"):
+        pickle.dumps(pair)
 
 
 def test_a_call_cannot_contradict_its_session(pair):
