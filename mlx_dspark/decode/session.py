@@ -34,7 +34,9 @@ class Target(Protocol):
     """What the loop calls on a target (target.NemotronH; ARCHITECTURE.md, "The target")."""
 
     context_limit: int | None     # longest sequence the model takes, if it declares one
-    config: object                # its config.vocab_size bounds the token ids
+    config: object                # its config.vocab_size bounds the token ids, and its
+                                  # config.hybrid_override_pattern says what each layer keeps
+    dtype: object                 # the compute dtype (a snapshot restores only into its own)
 
     def make_cache(self) -> Cache: ...
 
