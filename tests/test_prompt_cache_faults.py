@@ -3,7 +3,7 @@ header included, is one warning, the entry dropped and the prompt prefilled cold
 cold run's tokens; never an exception, never a state read as absent. The directory is checked
 again before each write, and its budget holds for every store that shares it.
 
-Everything here parses in Python only (snapshot_file.py reads no file through MLX), so a
+Everything here parses in Python only (prompt_cache/snapshot_file.py reads no file through MLX), so a
 hostile header cannot take the test runner down; the header sweep runs in this process."""
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import time
 
 import pytest
 
-from mlx_dspark import api, cli, commands
-from mlx_dspark.chat import Chat
-from mlx_dspark.prompt_cache import PromptCache
-from mlx_dspark.prompt_store import LOCK, SUFFIX, PromptStore, open_store
-from mlx_dspark.snapshot_file import encode
+from mlx_dspark import api, cli
+from mlx_dspark.cli import commands
+from mlx_dspark.cli.chat import Chat
+from mlx_dspark.prompt_cache.cache import PromptCache
+from mlx_dspark.prompt_cache.disk import LOCK, SUFFIX, PromptStore, open_store
+from mlx_dspark.prompt_cache.snapshot_file import encode
 from mlx_dspark.testing import spoil
-from mlx_dspark.tokenizer import prompt_ids
+from mlx_dspark.text.tokenizer import prompt_ids
 
 SYSTEM = {"role": "system", "content": "You write Python for a data team. " + " ".join(
     f"def helper_{i}(rows): return [r for r in rows if r > {i}]" for i in range(20))}
@@ -305,7 +306,7 @@ def test_two_stores_sharing_a_directory_keep_its_budget_and_the_newest_files(pai
 WRITER = """
 import sys
 from mlx_dspark import api
-from mlx_dspark.prompt_store import open_store
+from mlx_dspark.prompt_cache.disk import open_store
 pair = api.load()
 store = open_store(sys.argv[1], pair, True, int(sys.argv[2]))
 for i in range(12):

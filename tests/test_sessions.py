@@ -134,9 +134,9 @@ def _snapshot_of(pair, prompt):
 
 
 @pytest.mark.parametrize("other,reason", [
-    (dict(drafter="mtp"), "taken with the drafter 'mtp' and this session runs with the "
-                          "drafter 'dspark'"),
-    (dict(drafter="eagle3"), "taken with the drafter 'eagle3'"),
+    (dict(drafter="mtp"), "taken with the MTP drafter and this session runs with the "
+                          "DSpark drafter"),
+    (dict(drafter="eagle3"), "taken with the EAGLE-3 drafter"),
     (dict(dtype="bfloat16"), "computed in bfloat16 and this session computes in float32"),
 ], ids=["mtp", "eagle3", "bfloat16"])
 def test_restore_refuses_another_pairs_snapshot_first_and_the_session_goes_on(

@@ -28,7 +28,7 @@ CHECKPOINT_EVERY = 4096
 class PromptCache:
     def __init__(self, memory_bytes: int, store=None, every: int = CHECKPOINT_EVERY):
         self.memory = PrefixCache(memory_bytes) if memory_bytes > 0 else None
-        self.store = store                  # a prompt_store.PromptStore, or None
+        self.store = store                  # a disk.PromptStore, or None
         self.every = every
         self.found = {"memory": 0, "disk": 0, "none": 0}
 
