@@ -425,27 +425,9 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
 def _cached(pair: Pair, request: Request, boundaries) -> Iterator[Chunk]:
     """``stream`` on a session continued from the pair's prompt cache; the states after the
     prompt and after the answer are remembered for later calls."""
-    cache = pair.prompt_cache
     session = Session(pair.target, pair.drafter, home=pair)   # one kind of snapshot
-    cache.start(session, request.prompt, boundaries)
-    try:
-        chunks = stream(pair, request, session)
-    except BaseException:
-        cache.finish(session)
-        raise
-    return _remembering(cache, session, chunks)
-
-
-def _remembering(cache, session: Session, chunks) -> Iterator[Chunk]:
-    try:
-        for i, chunk in enumerate(chunks):
-            if i == 0:
-                cache.remember(session)
-            yield chunk
-    finally:
-        chunks.close()
-        cache.finish(session)
-    cache.remember(session)
+    return pair.prompt_cache.through(session, lambda s: stream(pair, request, s),
+                                     request.prompt, boundaries)
 
 
 def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:

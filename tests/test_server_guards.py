@@ -159,3 +159,30 @@ def test_an_empty_api_key_is_refused_at_start(engine):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--api-key" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and time.monotonic() - t0 < 30
+
+
+def _anthropic_error(r, status, kind):
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+    assert "code" not in r.json()["error"]          # not OpenAI's shape
+    return r.json()["error"]["message"]
+
+
+def test_anthropic_clients_get_anthropic_errors_from_the_guards_too(client):
+    messages = "/v1/messages"
+    body = json.dumps({"model": "demo", "max_tokens": 3, "messages": HI["messages"],
+                       "pad": "x" * (2 << 20)})
+    headers = {"x-api-key": KEY.encode(), "Content-Type": "application/json"}
+    assert "larger than" in _anthropic_error(client.post(messages, content=body,
+                                                         headers=headers),
+                                             413, "request_too_large")
+    _anthropic_error(client.post(messages, json={}, headers={**headers, "Host": "evil.example"}),
+                     403, "permission_error")
+    _anthropic_error(client.post(messages, json={}, headers={**headers,
+                                                             "Origin": "https://evil.example"}),
+                     403, "permission_error")
+    _anthropic_error(client.post(messages, content=b"{}", headers={
+        "x-api-key": KEY.encode(), "Content-Type": "text/plain"}), 415, "invalid_request_error")
+    # and the OpenAI routes keep OpenAI's shape for the same refusals
+    _error(client.post(CHAT, json=HI, headers={**AUTH, "Host": "evil.example"}), 403,
+           "host_not_allowed")

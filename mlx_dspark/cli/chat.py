@@ -223,30 +223,33 @@ class Chat:
 
     def answer(self, user: str):
         ids = self.conversation.prompt(user)
-        cache = self.pair.prompt_cache
-        if cache is not None and not self.session.tokens:
-            # a first turn: continue from a system prompt cached before (cache-prompt, an
-            # earlier chat) and checkpoint its end for the next time
-            messages = self.conversation.messages + [{"role": "user", "content": user}]
-            cache.start(self.session, ids, message_boundaries(
-                self.pair.tokenizer, messages, self.conversation.options, ids))
-        try:
-            self._answer(user, ids)
-        finally:
-            if cache is not None:
-                cache.finish(self.session)
-                cache.remember(self.session)
-
-    def _answer(self, user: str, ids: list[int]):
         options = request_options(self.args)
         if self.args.seed is not None:     # a different, reproducible draw every turn
             options["seed"] = (self.args.seed + len(self.turns)) % SEEDS
         try:      # e.g. the conversation no longer fits the context
-            stream = api.stream(self.pair, api.make_request(self.pair, ids, **options),
-                                self.session)
+            request = api.make_request(self.pair, ids, **options)
         except ValueError as e:
             print(f"error: {flag_error(e)} (/reset starts a new conversation)")
             return
+        self._answer(user, ids, self._stream(user, ids, request))
+
+    def _stream(self, user: str, ids: list[int], request):
+        """The answer's chunks; through the prompt cache when there is one, so the state is
+        kept for a later chat."""
+        cache = self.pair.prompt_cache
+        if cache is None:
+            return api.stream(self.pair, request, self.session)
+        prompt = boundaries = None
+        if not self.session.tokens:
+            # a first turn: continue from a system prompt cached before (cache-prompt, an
+            # earlier chat) and checkpoint its end for the next time
+            messages = self.conversation.messages + [{"role": "user", "content": user}]
+            prompt, boundaries = ids, message_boundaries(
+                self.pair.tokenizer, messages, self.conversation.options, ids)
+        return cache.through(self.session, lambda s: api.stream(self.pair, request, s),
+                             prompt, boundaries or ())
+
+    def _answer(self, user: str, ids: list[int], stream):
         pieces, tokens, stats, thinking = [], [], None, [False]
         with CatchInterrupt() as interrupt:
             try:

@@ -73,6 +73,29 @@ class PromptCache:
         """The request is over: no more checkpoints on this session."""
         session.checkpoints, session.on_checkpoint = (), None
 
+    def through(self, session, generation, prompt=None, boundaries=(), space: str = ""):
+        """Yield the chunks of ``generation(session)``, the one way the API, ``chat`` and the
+        server's engine run a generation on a cached session: ``session`` first continues
+        from the longest cached prefix of ``prompt`` (None: as it stands, a chat's next
+        turn), checkpoints are taken while it prefills, and its state is remembered at the
+        end of the prompt (once the first chunk is out, before the next token is fed) and at
+        the end of the generation, also when the consumer stops early; not after a failure,
+        which may leave the state half-updated."""
+        if prompt is not None:
+            self.start(session, prompt, boundaries, space)
+        chunks = generation(session)
+        try:
+            for i, chunk in enumerate(chunks):
+                yield chunk
+                if i == 0:      # once the first token is out: the state is still the prompt's
+                    self.remember(session, space)
+        except GeneratorExit:           # the consumer stopped early: what was fed is kept
+            pass
+        finally:
+            chunks.close()
+            self.finish(session)
+        self.remember(session, space)
+
     def remember(self, session, space: str = ""):
         """Keep the session's present state (in memory, and on disk when there is a store)."""
         tokens = session.tokens

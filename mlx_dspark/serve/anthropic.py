@@ -10,31 +10,16 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse
-
 from ..text import tools
 from .answer import Answer
-from .openai import ApiError, ToolUse, _get, stop_strings
+from .errors import ApiError
+from .openai import ToolUse, _get, stop_strings
 
 # The fields /v1/messages honours; any other set field is a 400 naming it.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
           "top_p", "top_k", "stream", "tools", "tool_choice", "thinking"}
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "not_found_error", 503: "overloaded_error", 500: "api_error"}
-
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
-
-def error_response(e: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
-
-
-def error_body(e: ApiError) -> dict:
-    kind = ERROR_TYPES.get(e.status, "invalid_request_error")
-    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 @dataclass

@@ -31,14 +31,15 @@ from .. import api, open_files
 from ..decode.grammar_limits import GrammarBusy
 from ..request import RequestError as RequestValueError
 from ..text.tokenizer import chat_ids, message_boundaries, prompt_ids
-from . import anthropic, logprobs
+from . import anthropic, errors, logprobs
 from .connections import Limits
 from .engine import Engine, Job, log
 from .http_guard import Exposure, HttpGuard
-from .openai import (COMPLETIONS_MAX_TOKENS, ApiError, Params, Reply, ToolUse, _sse, chat_messages,
+from .errors import ApiError
+from .openai import (COMPLETIONS_MAX_TOKENS, Params, Reply, ToolUse, _sse, chat_messages,
                      check_fields, check_model, completion_prompt, constraint_options,
-                     error_response, logprobs_request, parse_body, sampling_options, stream_flags,
-                     text_chars, thinking_options, tool_use, _get, model_object)
+                     logprobs_request, parse_body, sampling_options, stream_flags, text_chars,
+                     thinking_options, tool_use, _get, model_object)
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 FILES_RESERVED = 64     # descriptors kept for files the process opens later (snapshots, logs)
@@ -232,7 +233,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                     yield _sse(reply.first_piece())
                     first = False
                 if what == "error":
-                    yield _sse(ApiError.of_failure(item).body())
+                    yield _sse(errors.openai_body(ApiError.of_failure(item)))
                     break
                 if what == "logprobs":
                     reply.logprobs = logprobs.openai(kind, item, tokenizer)
@@ -267,13 +268,13 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}))
             engine.submit(job)
         except ApiError as e:
-            return anthropic.error_response(e)
+            return errors.response(e, request.url.path)
         reply = anthropic.MessageReply(model_id, m.use, len(ids))
         if not stream:
             async with _cancelled_on_disconnect(request, engine, job):
                 async for what, item in _events(engine, job):
                     if what == "error":
-                        return anthropic.error_response(ApiError.of_failure(item))
+                        return errors.response(ApiError.of_failure(item), request.url.path)
                     reply.add(item)
             return JSONResponse(reply.whole())
 
@@ -285,7 +286,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                     yield anthropic.sse("ping", anthropic.ping(item))
                     continue
                 if what == "error":
-                    yield anthropic.sse("error", anthropic.error_body(ApiError.of_failure(item)))
+                    yield anthropic.sse("error", errors.anthropic_body(ApiError.of_failure(item)))
                     return
                 for name, data in reply.events(reply.add(item)):
                     yield anthropic.sse(name, data)
@@ -321,17 +322,17 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                              engine.cache.health()})
 
     async def refused(request: Request, e: ApiError):
-        return error_response(e)
+        return errors.response(e, request.url.path)
 
     async def http_error(request: Request, e: HTTPException):
-        return error_response(ApiError(
+        return errors.response(ApiError(
             f"{request.method} {request.url.path}: {e.detail}", status=e.status_code,
-            code="not_found" if e.status_code == 404 else None))
+            code="not_found" if e.status_code == 404 else None), request.url.path)
 
     async def crashed(request: Request, e: Exception):
         log.exception("request failed")
-        return error_response(ApiError(f"internal error ({type(e).__name__})",
-                                           status=500, type="server_error"))
+        return errors.response(ApiError(f"internal error ({type(e).__name__})", status=500,
+                                        type="server_error"), request.url.path)
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),

@@ -23,7 +23,7 @@ from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
 from ..request import NonFiniteLogits, Request, RequestError
 from . import logprobs
-from .openai import ApiError
+from .errors import ApiError
 
 log = logging.getLogger("mlx_dspark.serve")
 CANCELLED = "the request was cancelled (its client went away)"
@@ -184,21 +184,20 @@ class Engine:
     def _run(self, job: Job):
         session, cache = self.session, self.cache
         if cache is not None:
-            cache.start(session, job.request.prompt, job.boundaries, job.space)
+            stream = cache.through(session, lambda s: api.stream(self.pair, job.request, s),
+                                   job.request.prompt, job.boundaries, job.space)
         else:
             session.reset()
-        stream = api.stream(self.pair, job.request, session)
+            stream = api.stream(self.pair, job.request, session)
         tokens = []
         try:
-            for i, chunk in enumerate(stream):
+            for chunk in stream:
                 tokens += [] if chunk.stop else [chunk.token]
                 if chunk.finish_reason is not None and job.logprobs is not None:
                     job.emit("logprobs", logprobs.score(self.pair.target,
                                                         list(job.request.prompt), tokens,
                                                         job.logprobs))
                 job.emit("chunk", chunk)
-                if i == 0:
-                    self._remember(job)       # the prompt's state, before any answer token
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1
                     job.emit("error", CANCELLED)   # ends a handler still waiting for it
@@ -206,11 +205,4 @@ class Engine:
             else:
                 self.served += 1
         finally:
-            stream.close()
-            if cache is not None:
-                cache.finish(session)
-        self._remember(job)                   # prompt and answer: the next turn's prefix
-
-    def _remember(self, job: Job):
-        if self.cache is not None:
-            self.cache.remember(self.session, job.space)
+            stream.close()      # the prompt cache remembers prompt and answer: the next turn

@@ -7,14 +7,16 @@ with ``--allow-host``), a browser's ``Origin`` must be allowed (``--allow-origin
 answers CORS preflights), and a POST must be ``application/json``. The body is read here up to
 ``--max-request-mb`` and refused with 413 past it, so no request holds more than that much.
 
-An ASGI middleware; refusals are OpenAI error objects (openai_api.ApiError)."""
+An ASGI middleware; refusals are error objects in the protocol of the route asked for
+(errors.py)."""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
 
-from .openai import ApiError, error_response
+from . import errors
+from .errors import ApiError
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
@@ -72,7 +74,8 @@ class HttpGuard:
             if scope["method"] == "POST":
                 receive = await self._body(headers, receive)
         except ApiError as e:
-            return await error_response(e, cors_origin(headers, self.exposure))(
+            return await errors.response(e, scope.get("path", ""),
+                                         cors_origin(headers, self.exposure))(
                 scope, receive, send)
         if cors:
             send = _with_cors(send, cors)

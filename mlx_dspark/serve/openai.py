@@ -11,12 +11,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse
-
 from ..request import RequestError
 from ..text import tools
 from ..text.chat_template import check_template_variables
 from .answer import Answer
+from .errors import ApiError
 
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
 MAX_STOPS = 4                   # as OpenAI; for Anthropic's stop_sequences too
@@ -49,34 +48,6 @@ def check_fields(body: dict, kind: str):
         if name in ("frequency_penalty", "presence_penalty") and value != 0:
             raise ApiError(f"'{name}' must be 0 (penalties are not supported)", name,
                            "unsupported_parameter")
-
-
-class ApiError(Exception):
-    """A request the server refuses: HTTP status and an OpenAI error object."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = \
-            message, param, code, status, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    @classmethod
-    def of_failure(cls, item) -> "ApiError":
-        """An engine's error event as the error to send: a refusal (an ApiError) as it is,
-        the reason a generation failed (a str) as a server error."""
-        return item if isinstance(item, ApiError) else cls(item, status=500,
-                                                            type="server_error")
-
-
-def error_response(e: ApiError, cors_origin: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else {}
-    if cors_origin is not None:     # an allowed browser origin may read the error
-        headers.update({"Access-Control-Allow-Origin": cors_origin, "Vary": "Origin"})
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 # ---------------------------------------------------------------------------------------------
