@@ -30,7 +30,7 @@ from pathlib import Path
 from .errors import ConversionError
 from .hub import resolve_source
 from .plan import TARGET, build_plan
-from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt
+from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt, target_tensor_names
 from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import RECEIPT_FORMAT, PinCheck, load_pins, receipt
 from .safetensors_io import OutTensor, SourceFiles, open_regular, sha256_file, write_safetensors
@@ -249,10 +249,22 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     if (config.get("quantization") or {}).get("layout") == LAYOUT:
         raise ConversionError(f"{src}: already converted (its config.json has the {LAYOUT} "
                               f"layout): load it as it is (--model / --drafter)")
+    from mlx_dspark.checkpoint.formats import mlx_lm_source   # (its package imports this one)
+    mlx_lm = mlx_lm_source(s, config)
+    if mlx_lm is not None:
+        raise ConversionError(f"{src}: already in MLX layout ({mlx_lm}): it loads as it is "
+                              f"(--model {src}); nothing to convert, nothing written")
     spec = parse_quant_spec(s, config)
     plan = build_plan(s, config, spec, keep_mtp=keep_mtp)
     if plan.kind == TARGET:
         config = fill_layer_pattern(config, s / "config.json")
+        made = {t.name for t in plan.tensors}
+        missing = [n for n in target_tensor_names(config) if n not in made]
+        if missing:       # never a success message for output that would not load
+            raise ConversionError(f"{src}: not a Nemotron-H checkpoint this converter knows: "
+                                  f"tensor {missing[0]} missing" + (
+                                      f" (and {len(missing) - 1} more)" if missing[1:] else "")
+                                  + "; nothing written")
     config["quantization"] = {"layout": LAYOUT, "group_size": GROUP_SIZE,
                               "source_quant_algo": spec.algo, "modules": plan.modules}
     copies = sorted(n for n in names if "/" not in n

@@ -56,6 +56,25 @@ def mtp_pattern(config: dict) -> str:
     return pattern * steps
 
 
+def target_tensor_names(config: dict) -> list[str]:
+    """The tensors (a linear module by its ``.weight``) the runtime's loader asks for in a
+    converted Nemotron-H target of ``config`` (its ``hybrid_override_pattern`` filled in)."""
+    names = ["backbone.embeddings.weight", "backbone.norm_f.weight"]
+    if not config.get("tie_word_embeddings"):
+        names.append("lm_head.weight")
+    blocks = {"M": ("in_proj.weight", "out_proj.weight", "conv1d.weight", "dt_bias", "A_log",
+                    "D", "norm.weight"),
+              "*": ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"),
+              "-": ("up_proj.weight", "down_proj.weight"),
+              "E": ("gate.weight", "gate.e_score_correction_bias", "experts.up_proj.weight",
+                    "experts.down_proj.weight", "shared_experts.up_proj.weight",
+                    "shared_experts.down_proj.weight")}
+    for i, kind in enumerate(config["hybrid_override_pattern"]):
+        names.append(f"backbone.layers.{i}.norm.weight")
+        names += [f"backbone.layers.{i}.mixer.{n}" for n in blocks[kind]]
+    return names
+
+
 def decode_float(v) -> float:
     """A config number, including ModelOpt's ``{"__float__": "Infinity"}`` for non-finite ones."""
     if isinstance(v, dict) and set(v) == {"__float__"}:

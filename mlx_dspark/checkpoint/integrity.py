@@ -137,8 +137,15 @@ def checkpoint_files(path) -> list[str]:
     return files
 
 
-def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> None:
-    """Raise CheckpointError naming the first file (and block) that differs from the receipt."""
+RECEIPT_WORDS = ("the conversion receipt", "after conversion")
+"""What the expected hashes are called in a message, and since when a change happened."""
+
+
+def verify_outputs(path: str, outputs: list[Output], verify: str = "full",
+                   words: tuple[str, str] = RECEIPT_WORDS) -> None:
+    """Raise CheckpointError naming the first file (and block) that differs from the receipt
+    (or, with other ``words``, from the hashes recorded at a first load)."""
+    against, since = words
     if verify == "auto":
         verify = "full" if sum(o.size for o in outputs) <= FULL_AUTO_BYTES else "fast"
     jobs, optional = [], []      # (file, start, length, expected sha256, block index or None)
@@ -147,15 +154,15 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> No
         try:
             st = os.stat(f)
         except OSError as e:
-            raise CheckpointError(f"{f}: listed in the conversion receipt but "
+            raise CheckpointError(f"{f}: listed in {against} but "
                                   f"{'missing' if isinstance(e, FileNotFoundError) else e.strerror}"
                                   ) from None
         if not stat.S_ISREG(st.st_mode):     # a FIFO would hang the hashing
             raise CheckpointError(f"{f}: not a regular file")
         size = st.st_size
         if size != o.size:
-            raise CheckpointError(f"{f}: {size} bytes, the conversion receipt records {o.size}: "
-                                  f"the file changed after conversion")
+            raise CheckpointError(f"{f}: {size} bytes, {against} records {o.size}: "
+                                  f"the file changed {since}")
         if not o.blocks:
             jobs.append((f, 0, o.size, o.sha256, None))
             continue
@@ -170,7 +177,7 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full") -> No
     jobs += random.SystemRandom().sample(optional, min(FAST_SAMPLES, len(optional)))
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
     try:
-        for problem in pool.map(_check_span, jobs):
+        for problem in pool.map(_check_span, jobs, [words] * len(jobs)):
             if problem:
                 raise CheckpointError(problem)
     finally:
@@ -187,7 +194,7 @@ def _header_blocks(f: str, o: Output) -> int:
     return -(-min(8 + n, o.size) // o.block_size)
 
 
-def _check_span(job) -> str | None:
+def _check_span(job, words=RECEIPT_WORDS) -> str | None:
     f, start, length, want, block = job
     sha, end = hashlib.sha256(), start + length
     try:
@@ -205,8 +212,8 @@ def _check_span(job) -> str | None:
     if got == want:
         return None
     what = "sha256" if block is None else f"block {block} (bytes {start}-{end - 1}) sha256"
-    return (f"{f}: {what} {got} differs from the conversion receipt ({want}): the file "
-            f"changed after conversion")
+    return (f"{f}: {what} {got} differs from {words[0]} ({want}): the file changed "
+            f"{words[1]}")
 
 
 def verify_directory(path) -> str:

@@ -65,11 +65,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", metavar="DIR", help="a converted directory")
+    p.add_argument("dir", metavar="DIR", help="a model directory")
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ..checkpoint.integrity import verify_directory
+    from ..checkpoint.recorded import verify_directory
     print(verify_directory(args.dir))
     return 0
 
@@ -81,7 +81,8 @@ COMMANDS: list[Command] = [
             commands.run_generate),
     Command("chat", commands.CHAT_HELP, commands.chat_arguments, commands.run_chat),
     Command("bench", commands.BENCH_HELP, commands.bench_arguments, commands.run_bench),
-    Command("verify", "check every byte of a converted directory against its conversion receipt",
+    Command("verify", "check every byte of a model directory against its conversion receipt (one "
+                      "without a receipt: against the hashes recorded at its first load)",
             _verify_arguments, _verify),
     Command("serve", commands.SERVE_HELP, commands.serve_arguments, commands.run_serve),
     Command("cache-prompt", commands.CACHE_PROMPT_HELP, commands.cache_prompt_arguments,

@@ -30,19 +30,20 @@ Numerics (where we knowingly differ from the references):
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.integrity import check_checkpoint
+from ..checkpoint.formats import convert_first, detect_dir, read_target_config
+from ..checkpoint.recorded import check_files
 from ..converter.layout import decode_float, layer_pattern
 from ..device import on_gpu
 from ..kernels import mamba as K
 from ..kernels.norm import gated_rms_norm, rms_norm
 from .cache import KVCache, MambaCache, TargetCache
+from .mlx_lm_layout import mlx_lm_weights
 from .quant import Weights, make_linear
 from .weights import read_weights
 
@@ -311,9 +312,9 @@ class NemotronH(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype = dtype or default_dtype()
-        w = Weights(w, dtype, nvfp4)
-        # Kept in its stored dtype: decoding reads one row per token, upcast in embed().
-        self.embeddings = w["backbone.embeddings.weight"]
+        w = w if isinstance(w, Weights) else Weights(w, dtype, nvfp4)
+        # Kept as stored: decoding reads one row per token, upcast in embed().
+        self.embeddings = w.embedding("backbone.embeddings")
         self.layers = [Block(c, cfg, w, i) for i, c in enumerate(cfg.hybrid_override_pattern)]
         self.norm_f = w.cast("backbone.norm_f.weight")
         if "lm_head.weight" in w:
@@ -325,7 +326,8 @@ class NemotronH(nn.Module):
 
     # --- pieces the drafter borrows
     def embed(self, tokens):
-        return self.embeddings[tokens].astype(self.dtype)
+        e = self.embeddings         # a table, or a quantized one (mlx-lm's layout)
+        return (e(tokens) if isinstance(e, nn.Module) else e[tokens]).astype(self.dtype)
 
     def lm_head(self, h):
         return self.head(h)
@@ -461,60 +463,43 @@ def stack_experts(w: dict, n_layers: int, layers: str = "backbone.layers") -> di
     return w
 
 
-def read_target_config(path) -> dict:
-    """``path/config.json``, refused in one line when it is not a Nemotron-H target: a DSpark
-    drafter (it goes to ``--drafter``), or another architecture."""
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{cfg_path}: missing") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object")
-    archs = raw.get("architectures") or []
-    kind = raw.get("model_type")
-    if "dflash_config" in raw or any("DSpark" in str(a) for a in archs):
-        raise ValueError(f"{path}: a DSpark drafter, not a target model; pass it as --drafter "
-                         f"(drafter= in md.load) next to its Nemotron-H --model")
-    if kind not in (None, "nemotron_h") and "hybrid_override_pattern" not in raw:
-        what = f"model_type {kind!r}" + (f" ({', '.join(map(str, archs))})" if archs else "")
-        raise ValueError(f"{path}: {what}: mlx-dspark runs Nemotron-H targets only "
-                         f"(model_type 'nemotron_h'); other models run with mlx-lm")
-    return raw
-
-
 def load_target(path: str, dtype=None, nvfp4: str | None = None,
                 verify: str = "auto") -> NemotronH:
-    """Load a converted (or plain HF-format) Nemotron-H directory.
+    """Load a Nemotron-H directory in any layout that loads (checkpoint/formats.py): converted
+    by ``mlx-dspark convert``, mlx-lm's (models/mlx_lm_layout.py), or a plain HF download.
 
     ``dtype``: compute dtype or its name, default :func:`default_dtype`. ``nvfp4``: ``"quantized"``
     or ``"dequantized"`` compute for NVFP4 linears (default quant.NVFP4_POLICY); routed experts
-    always stay packed (quant.make_experts). ``verify``: how much of the files is checked
-    against the conversion receipt first (checkpoint/integrity.py); a converted directory without a receipt
-    needs ``verify="none"``."""
+    always stay packed (quant.make_experts). ``verify``: how much of the files is checked first
+    (checkpoint/integrity.py): against the conversion receipt, or for a directory that came
+    without one against the hashes taken at its first load (checkpoint/recorded.py); a
+    converted directory without a receipt needs ``verify="none"``."""
     dtype = compute_dtype(dtype)
     raw = read_target_config(path)
     cfg_path = os.path.join(path, "config.json")
-    if "quantization" not in raw and ("quantization_config" in raw or
-                                      os.path.exists(os.path.join(path, "hf_quant_config.json"))):
+    fmt = detect_dir(path, raw)
+    if fmt.layout == "modelopt":
         # ModelOpt's own layout (U8 nibbles, F8 block scales) is not ours: refuse rather than
         # misread NVFP4 block scales as FP8 weights.
-        raise ValueError(f"{cfg_path}: a quantized export not converted to the MLX layout; "
-                         "run `mlx-dspark convert` on it first")
-    check_checkpoint(path, verify, require_receipt="quantization" in raw)
+        raise ValueError(convert_first(path, fmt))
+    check_files(path, verify, require_receipt=fmt.layout == "mlx-dspark")
     cfg = TargetConfig.from_dict(raw, cfg_path)
-    w = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
-    w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
+    if fmt.layout == "mlx-lm":
+        w = mlx_lm_weights(path, raw, cfg, dtype)
+    else:
+        w = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
+        w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
     try:
         model = NemotronH(cfg, w, dtype, nvfp4)
     except KeyError as e:
-        raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint") from None
+        raise ValueError(f"{path}: tensor {e.args[0]} missing from the checkpoint ({fmt})") \
+            from None
+    if fmt.layout == "mlx-lm":
+        w.check_all_used(path)
     del w
     _materialize(model)
     model.path = path          # where a drafter that lives in the target's files reads them
+    model.format = fmt
     return model
 
 

@@ -239,3 +239,8 @@ class Weights:
 
     def experts(self, prefix: str) -> nn.Module:
         return make_experts(self.tensors, prefix, self.dtype)
+
+    def embedding(self, prefix: str):
+        """The embedding table under ``prefix``, as stored (an array; a layout that quantizes
+        it returns a module that looks rows up)."""
+        return self[f"{prefix}.weight"]

@@ -6,6 +6,7 @@ converter/layout.py's."""
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -101,6 +102,23 @@ def _same(want: np.ndarray, got: mx.array) -> bool:
     return bool(mx.array_equal(want, got, equal_nan=True).item())
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+
+
+def _stacked(stored: dict) -> dict:
+    """Per-expert tensors of an unconverted checkpoint (``experts.{e}.up_proj.weight``) as the
+    stacked ones the model holds (``experts.up_proj.weight``), in expert order."""
+    groups = {}
+    for name in [n for n in stored if _EXPERT.match(n)]:
+        m = _EXPERT.match(name)
+        groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = name
+    for name, parts in groups.items():
+        if sorted(parts) == list(range(len(parts))):
+            rows = [stored.pop(parts[e]) for e in range(len(parts))]
+            stored[name] = (rows[0][0], rows[0][1], np.stack([r[2] for r in rows]))
+    return stored
+
+
 def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
     """Compare every tensor of the checkpoint whose name starts with ``prefix`` (the drafter's
     parameter names, ``prefix`` removed) with what ``drafter`` holds; raise on any mismatch
@@ -111,6 +129,7 @@ def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
         for name, (st_dtype, arr) in read_raw_safetensors(f).items():
             if name.startswith(prefix):
                 stored[name[len(prefix):]] = (f, st_dtype, arr)
+    stored = _stacked(stored)
     params = dict(tree_flatten(drafter.parameters()))
     checks = []  # (checkpoint tensors, their values, model parameter)
     used = set()  # model parameters checked by a decoding rule

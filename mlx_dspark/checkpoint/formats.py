@@ -1,0 +1,192 @@
+"""What a target checkpoint is, read from its config and its tensor names before a weight is
+loaded: the layout that loads (docs/formats.md), or a one-line refusal that names the format
+and what to use instead.
+
+Layouts: ``mlx-dspark`` (``mlx-dspark convert``'s output, with a receipt), ``mlx-lm``
+(``mlx_lm.convert``'s: stacked ``switch_mlp`` experts, MLX quantization under
+``quantization``), ``hf`` (a plain Hugging Face download in BF16/FP16/FP32) and ``modelopt``
+(NVIDIA's NVFP4/FP8 export, which ``convert`` turns into the first). The same reading serves a
+local directory (its safetensors headers) and a repo id (its ``config.json`` and safetensors
+index alone, before any large download: checkpoint/hub.py). MLX-free."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..converter.layout import LAYOUT, weight_files
+from .integrity import CheckpointError
+
+MLX_LM_EXPERTS = ".switch_mlp."
+"""The name part of mlx-lm's stacked experts (``mixer.switch_mlp.fc1`` / ``fc2``)."""
+
+QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
+                 "compressed-tensors": "compressed-tensors", "fp8": "FP8 (block-scaled)",
+                 "hqq": "HQQ", "aqlm": "AQLM", "eetq": "EETQ", "torchao": "torchao",
+                 "mxfp4": "MXFP4 (Hugging Face)", "bitnet": "BitNet"}
+INSTEAD = ("use NVIDIA's BF16 or NVFP4 release (--model takes its repo id), or an mlx-lm "
+           "conversion of it (mlx_lm.convert)")
+
+
+class UnsupportedFormat(CheckpointError):
+    """A checkpoint in a format mlx-dspark does not run: the message names the format and
+    what to use instead."""
+
+
+@dataclass(frozen=True)
+class Format:
+    layout: str          # "mlx-dspark", "mlx-lm", "hf" or "modelopt"
+    precision: str       # "bf16", "affine 4-bit (group 64)", "nvfp4", "NVFP4 (ModelOpt)", ...
+
+    def __str__(self) -> str:
+        return f"{NAMES[self.layout]}, {self.precision}"
+
+
+NAMES = {"mlx-dspark": "mlx-dspark's converted layout", "mlx-lm": "mlx-lm's layout",
+         "hf": "Hugging Face layout", "modelopt": "a ModelOpt export"}
+
+
+def read_target_config(path) -> dict:
+    """``path/config.json``, refused in one line when it is not a Nemotron-H target: a DSpark
+    drafter or an EAGLE-3 head (they go to ``--drafter``), or another architecture."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: not a JSON object")
+    archs = raw.get("architectures") or []
+    kind = raw.get("model_type")
+    if "dflash_config" in raw or any("DSpark" in str(a) for a in archs):
+        raise ValueError(f"{path}: a DSpark drafter, not a target model; pass it as --drafter "
+                         f"(drafter= in md.load) next to its Nemotron-H --model")
+    if any("Eagle3" in str(a) for a in archs):
+        raise ValueError(f"{path}: an EAGLE-3 head, not a target model; pass it as --drafter "
+                         f"(drafter= in md.load) next to its Nemotron-H --model")
+    if kind not in (None, "nemotron_h") and "hybrid_override_pattern" not in raw:
+        what = f"model_type {kind!r}" + (f" ({', '.join(map(str, archs))})" if archs else "")
+        raise ValueError(f"{path}: {what}: mlx-dspark runs Nemotron-H targets only "
+                         f"(model_type 'nemotron_h'); other models run with mlx-lm")
+    return raw
+
+
+def _mlx_lm_precision(q: dict) -> str:
+    """``quantization`` as mlx-lm writes it: defaults plus per-module overrides (a dict, or
+    False for a module left in float)."""
+    def scheme(d):
+        mode, bits, group = d.get("mode", "affine"), d.get("bits"), d.get("group_size")
+        return f"affine {bits}-bit (group {group})" if mode == "affine" else str(mode)
+
+    over = sorted({scheme(v) for v in q.values() if isinstance(v, dict)} - {scheme(q)})
+    return scheme(q) + (f", per-module {' and '.join(over)}" if over else "")
+
+
+def _dense_precision(config: dict, tensors: dict) -> str:
+    """The float dtype most weights have (float32 routers and A_log aside), or, where only
+    names are known (a repo's index), the config's word for it."""
+    floats = [d for n, d in tensors.items() if n.endswith(".weight") and d in _WORDS]
+    if floats:
+        return _WORDS[max(sorted(set(floats)), key=floats.count)]
+    word = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(word, "float")
+
+
+_WORDS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+def detect(config: dict, tensors: dict, where, hf_quant_config: bool = False) -> Format:
+    """The format of a Nemotron-H checkpoint from its config and ``tensors`` (name -> its
+    safetensors dtype, or None where only names are known); UnsupportedFormat for one that
+    no loader here runs."""
+    quant = config.get("quantization")
+    qc = config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("layout") == LAYOUT:
+        return Format("mlx-dspark", str(quant.get("source_quant_algo") or "bf16"))
+    if isinstance(quant, dict):
+        if config.get("moe_latent_size"):
+            raise UnsupportedFormat(f"{where}: mlx-lm's layout with a latent MoE "
+                                    f"(moe_latent_size): not implemented here; run it with "
+                                    f"mlx-lm")
+        return Format("mlx-lm", _mlx_lm_precision(quant))
+    method = str(qc.get("quant_method", "modelopt")).lower() if isinstance(qc, dict) else None
+    if method == "modelopt" or (method is None and hf_quant_config):
+        algo = (qc or {}).get("quant_algo") or "ModelOpt"
+        return Format("modelopt", f"{algo}")
+    if method is not None:
+        name = QUANT_METHODS.get(method, method)
+        raise UnsupportedFormat(f"{where}: {name} quantization (config.json quantization_config"
+                                f" quant_method {method!r}): not a format mlx-dspark runs; "
+                                f"{INSTEAD}")
+    names = set(tensors)
+    precision = _dense_precision(config, tensors)
+    if any(MLX_LM_EXPERTS in n for n in names):
+        return Format("mlx-lm", precision)
+    return Format("hf", precision)
+
+
+def _refuse_foreign_files(path: Path) -> None:
+    """GGUF files or PyTorch pickles where safetensors weights should be."""
+    if path.is_file():
+        kind = "a GGUF file (llama.cpp's format)" if path.suffix == ".gguf" else "a file"
+        raise UnsupportedFormat(f"{path}: {kind}, not a checkpoint directory; mlx-dspark runs "
+                                f"safetensors checkpoints: {INSTEAD}")
+    names = os.listdir(path)
+    if weight_files(str(path)):
+        return
+    if fnmatch.filter(names, "*.gguf"):
+        raise UnsupportedFormat(f"{path}: GGUF files (llama.cpp's format), no safetensors "
+                                f"weights; mlx-dspark runs safetensors checkpoints: {INSTEAD}")
+    if fnmatch.filter(names, "*.bin") or fnmatch.filter(names, "*.pt"):
+        raise UnsupportedFormat(f"{path}: PyTorch pickles (*.bin/*.pt), no safetensors weights; "
+                                f"mlx-dspark never unpickles: use the model's safetensors "
+                                f"release")
+
+
+def _tensor_dtypes(path: Path) -> dict:
+    """name -> safetensors dtype over the directory's weight files (headers only)."""
+    from ..converter.errors import ConversionError
+    from ..converter.safetensors_io import read_header
+
+    tensors = {}
+    try:
+        for f in weight_files(str(path)):
+            tensors.update({n: t.dtype for n, t in read_header(Path(f)).items()})
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    return tensors
+
+
+def detect_dir(path, config: dict | None = None) -> Format:
+    """The format of the target directory ``path`` (its config.json and safetensors
+    headers); UnsupportedFormat or ValueError (read_target_config) for what does not run."""
+    path = Path(path)
+    _refuse_foreign_files(path)
+    config = read_target_config(path) if config is None else config
+    return detect(config, _tensor_dtypes(path), path, (path / "hf_quant_config.json").is_file())
+
+
+def mlx_lm_source(path, config: dict) -> Format | None:
+    """mlx-lm's layout when directory ``path`` is in it (a ``quantization`` block that is not
+    ours, or stacked ``switch_mlp`` experts), else None: ``convert``'s question, for any kind
+    of model."""
+    quant = config.get("quantization")
+    if isinstance(quant, dict) and quant.get("layout") != LAYOUT:
+        return Format("mlx-lm", _mlx_lm_precision(quant))
+    tensors = _tensor_dtypes(Path(path))
+    if any(MLX_LM_EXPERTS in n for n in tensors):
+        return Format("mlx-lm", _dense_precision(config, tensors))
+    return None
+
+
+def convert_first(path, fmt: Format) -> str:
+    """The one line for a ModelOpt export given where converted weights are needed."""
+    return (f"{path}: {fmt} (NVIDIA's quantized layout, not MLX's): convert it once with "
+            f"`mlx-dspark convert {path} -o {str(path).rstrip('/')}-mlx` and load that (a repo "
+            f"id given to --model is converted on first use)")

@@ -1,0 +1,149 @@
+"""Hashes of a directory that came without a conversion receipt (an mlx-lm conversion, a plain
+Hugging Face download): taken at its first load, kept in mlx-dspark's cache
+(``$MLX_DSPARK_CACHE/recorded``, never in the model's directory), and checked at every later
+load and by ``mlx-dspark verify``, at the levels a receipt is checked (integrity.py).
+
+A record proves less than a receipt: that the files are those of the first load, not that a
+converter made them from a pinned source. It holds, per file the load reads, its size, SHA-256
+and the SHA-256 of each ``RECEIPT_BLOCK_BYTES`` block (so ``fast`` can sample), and the
+directory it describes. MLX-free."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..converter.layout import BlockHash, weight_files
+from .hub import cache_root
+from .integrity import (FULL_AUTO_BYTES, READ_BYTES, CheckpointError, _output, check_checkpoint,
+                        check_level, receipt_outputs, verify_outputs)
+from .integrity import verify_directory as verify_receipt
+
+FORMAT = "mlx-dspark-recorded/1"
+KEPT = ("config.json", "generation_config.json", "model.safetensors.index.json",
+        "hf_quant_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+        "chat_template*", "vocab.*", "merges.txt")
+"""Besides the weight files, what a record covers: what the load reads (config, tokenizer)."""
+WORDS = ("the hashes recorded at its first load", "since its first load")
+
+
+def record_file(path) -> Path:
+    """Where the record of directory ``path`` (by its real path) lives."""
+    real = os.path.realpath(path)
+    return cache_root() / "recorded" / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+
+
+def _files(path: str) -> list[str]:
+    names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))
+                   and any(fnmatch.fnmatchcase(n, p) for p in KEPT))
+    return names + [os.path.basename(f) for f in weight_files(path)]
+
+
+def _hash(f: str) -> dict:
+    whole, blocks, size = hashlib.sha256(), BlockHash(), 0
+    with open(f, "rb") as fh:
+        while chunk := fh.read(READ_BYTES):
+            whole.update(chunk)
+            blocks.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": whole.hexdigest(), "blocks": blocks.blocks()}
+
+
+def record(path) -> Path:
+    """Hash the files of ``path`` now and keep them as its record (replacing an older one)."""
+    path = str(path)
+    names = _files(path)
+    total = sum(os.path.getsize(os.path.join(path, n)) for n in names)
+    if total > FULL_AUTO_BYTES:
+        print(f"mlx-dspark: {path} has no conversion receipt: hashing its {total / 1e9:.1f} GB "
+              f"once, to check later loads against", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        hashed = dict(zip(names, pool.map(_hash, [os.path.join(path, n) for n in names])))
+    doc = {"format": FORMAT, "path": os.path.realpath(path),
+           "recorded": time.strftime("%Y-%m-%d %H:%M:%S"), "outputs": hashed}
+    out = record_file(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, out)
+    return out
+
+
+def recorded(path) -> tuple[list, str] | None:
+    """(the files a record lists, when it was taken), or None when ``path`` has none."""
+    where = record_file(path)
+    try:
+        doc = json.loads(where.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: unreadable record of {path}'s hashes ({e}); delete "
+                              f"it to record them again") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(
+            doc.get("outputs"), dict) or doc.get("path") != os.path.realpath(path):
+        raise CheckpointError(f"{where}: not a record of {path}'s hashes; delete it to record "
+                              f"them again")
+    return ([_output(str(where), n, e) for n, e in sorted(doc["outputs"].items())],
+            str(doc.get("recorded")))
+
+
+def _check(path: str, outputs: list, verify: str) -> None:
+    hint = f" (if the change is yours, delete {record_file(path)}: the next load records again)"
+    listed = {o.name for o in outputs}
+    added = [n for n in _files(path) if n not in listed]
+    if added:
+        raise CheckpointError(f"{os.path.join(path, added[0])}: not there at its first load: a "
+                              f"file added {WORDS[1]}{hint}")
+    try:
+        verify_outputs(path, outputs, verify, WORDS)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{hint}") from None
+
+
+def check_files(path, verify: str = "auto", require_receipt: bool = True) -> None:
+    """Before a load: the receipt (integrity.check_checkpoint) when the directory has one or
+    must have one; otherwise the recorded hashes, taken now when this is its first load (a
+    cache that cannot be written only costs the check: one warning)."""
+    path = str(path)
+    if check_level(verify) == "none":
+        return
+    if require_receipt or receipt_outputs(path) is not None:
+        check_checkpoint(path, verify, require_receipt)
+        return
+    found = recorded(path)
+    if found is not None:
+        _check(path, found[0], verify)
+        return
+    try:
+        record(path)
+    except OSError as e:
+        print(f"mlx-dspark: warning: cannot record the hashes of {path} in "
+              f"{record_file(path).parent} ({e.strerror or e}); it loads unchecked",
+              file=sys.stderr)
+
+
+def verify_directory(path) -> str:
+    """``mlx-dspark verify``: every byte against the receipt, or, for a directory without
+    one, against the hashes recorded at its first load (taken now when it has none)."""
+    path = str(path)
+    if not os.path.isdir(path) or receipt_outputs(path) is not None:
+        return verify_receipt(path)
+    found = recorded(path)
+    if found is None:
+        if not weight_files(path):
+            return verify_receipt(path)          # says: no receipt to check against
+        where = record(path)
+        return (f"{path}: no conversion receipt; its files' hashes are recorded now ({where}): "
+                f"later loads and verify check against them")
+    outputs, when = found
+    _check(path, outputs, "full")
+    return (f"{path}: intact: {len(outputs)} files, {sum(o.size for o in outputs) / 1e6:.1f} MB "
+            f"match the hashes recorded at its first load ({when}, SHA-256)")
