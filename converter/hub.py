@@ -50,9 +50,91 @@ def resolve_source(src: str, revision: str | None, pins: dict,
     if repo_id and repo_id != src:
         raise ConversionError(f"{src}: --repo-id {repo_id} contradicts the repo id given as SRC")
     rev = revision or pinned_revision(pins, src)
+    info = inspect_repo(src, rev)
+    if info.kind is None:
+        from .plan import detect_kind
+        detect_kind(info.config, info.names, Path(f"{src}@{rev or 'main'}"))   # raises: why
+    if info.kind == "target":
+        from mlx_dspark.checkpoint.formats import detect   # (its package imports this one)
+        fmt = detect(info.config, info.names, f"{src}@{rev or 'main'}", info.hf_quant_config)
+        if fmt.layout in ("mlx-lm", "mlx-dspark"):
+            raise ConversionError(f"{src}: already in MLX layout ({fmt}): it loads as it is "
+                                  f"(--model {src}); nothing to convert, nothing downloaded")
     local = Path(_snapshot_download(src, rev))
     _, fetched = _from_hf_cache(local)
     return Source(local, src, fetched or rev)
+
+
+@dataclass(frozen=True)
+class RepoInfo:
+    """What a repo's small files say: its config, tensor names (from the safetensors index;
+    name -> None, dtypes unknown), the weights' total size when the index states it, whether
+    it has ModelOpt's hf_quant_config.json, and the model kind (plan.py's; None: none)."""
+    config: dict
+    names: dict
+    size: int | None
+    hf_quant_config: bool
+    kind: str
+
+
+def inspect_repo(repo_id: str, revision: str | None) -> RepoInfo:
+    """Read a repo's ``config.json`` and safetensors index (and ``hf_quant_config.json``)
+    only: its format, architecture and size are known before any weight is downloaded."""
+    from .plan import _weight_map, detect_kind
+    from .quant_config import load_json
+
+    where = f"{repo_id}@{revision or 'main'}"
+    cfg = _small_file(repo_id, "config.json", revision, required=True)
+    if cfg is None:
+        raise ConversionError(f"{where}: no config.json, so not a Hugging Face checkpoint in "
+                              f"safetensors (a GGUF repo runs with llama.cpp); mlx-dspark needs "
+                              f"the model's safetensors release")
+    config = load_json(cfg)
+    if not isinstance(config, dict):
+        raise ConversionError(f"{where}: config.json is not a JSON object")
+    index = _small_file(repo_id, "model.safetensors.index.json", revision)
+    names, size = {}, None
+    if index is not None:
+        names = dict.fromkeys(_weight_map(index))
+        total = (load_json(index).get("metadata") or {}).get("total_size")
+        size = total if isinstance(total, int) else None
+    hfq = _small_file(repo_id, "hf_quant_config.json", revision) is not None
+    try:
+        kind = detect_kind(config, names, Path(where))
+    except ConversionError:
+        kind = None                   # no model the converter knows: its callers say so
+    return RepoInfo(config, names, size, hfq, kind)
+
+
+def _small_file(repo_id: str, name: str, revision: str | None,
+                required: bool = False) -> Path | None:
+    """One small file of the repo (through huggingface_hub's cache), None when the repo has
+    none (or, offline, the cache lacks an optional one)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+    try:
+        return Path(hf_hub_download(repo_id, name, revision=revision))
+    except EntryNotFoundError as e:
+        if required and isinstance(e, FileNotFoundError):   # offline (or unreachable), uncached
+            _failed(repo_id, revision, e)
+        return None
+    except Exception as e:       # network, auth, missing repo/revision: all one line for the user
+        _failed(repo_id, revision, e)
+
+
+def _failed(repo_id: str, revision: str | None, e: Exception):
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConversionError(f"{repo_id}@{revision or 'main'}: download failed ({first})") from None
+
+
+def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The repo's snapshot when huggingface_hub's cache already holds it whole (no network)."""
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=FETCH_PATTERNS,
+                                      local_files_only=True))
+    except Exception:
+        return None
 
 
 def _snapshot_download(repo_id: str, revision: str | None) -> str:
@@ -60,5 +142,4 @@ def _snapshot_download(repo_id: str, revision: str | None) -> str:
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=FETCH_PATTERNS)
     except Exception as e:       # network, auth, missing repo/revision: all one line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConversionError(f"{repo_id}@{revision or 'main'}: download failed ({first})") from None
+        _failed(repo_id, revision, e)

@@ -46,6 +46,8 @@ class Pair:
     receipts: tuple = (None, None)
     # Snapshots calls without a session continue from (prompt_cache.PromptCache), or None.
     prompt_cache: object = field(default=None, repr=False)
+    # Which drafter and why, or "serial only (why)": the banners' words (md.load sets it).
+    drafter_note: str = ""
     # MLX work on one pair runs one step at a time: generations from several threads take
     # turns token by token (and one thread may still interleave several generations).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -155,9 +157,13 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     a local directory wins over a repo id of the same spelling. ``drafter``: ``"mtp"`` (the
     target's own MTP block, kept by ``convert`` unless ``--no-mtp``), or a converted DSpark
     drafter or EAGLE-3 head (a directory or repo id; which one its config.json says).
-    ``model=None`` loads the embedded demonstration pair (a small demo model, not Nemotron);
-    then ``drafter`` None or ``"dspark"`` (also ``"mtp"``, ``"eagle3"``) names an embedded demo
-    drafter. With an explicit ``model``, ``drafter=None`` means no drafter (serial decoding).
+    ``"none"``: no drafter. ``"auto"``: the drafter made for the model, recognised by its
+    config (checkpoint/pairing.py: NVIDIA's DSpark drafter for Nemotron 3.5 Lightning, in any
+    layout), else none; the CLI's default with ``--model``. ``model=None`` loads the embedded
+    demonstration pair (a small demo model, not Nemotron); then ``drafter`` None or
+    ``"dspark"`` (also ``"mtp"``, ``"eagle3"``) names an embedded demo drafter. With an explicit
+    ``model``, ``drafter=None`` means no drafter (serial decoding). ``model`` may also be in
+    mlx-lm's layout or a plain Hugging Face download, loaded as it is (docs/formats.md).
     ``verify``: how much of both checkpoints is checked against their conversion receipts
     before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
@@ -171,23 +177,34 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     memory (``prompt_cache_mb``) and in this directory (``prompt_cache_disk_gb``, least
     recently used first out), so a long shared prefix is prefilled once, across restarts
     (docs/prompt-cache.md)."""
-    from .checkpoint import hub
-    from .checkpoint.memory import check_fits
+    from .checkpoint import hub, pairing
+    from .checkpoint.formats import convert_first, detect_dir
+    from .checkpoint.memory import check_download, check_fits
     from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
     from .models.nemotron_h import compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
 
-    if model is None:
-        model, drafter = DEMO / "target", locate(drafter or DEFAULT_DEMO, DEMO)
-    elif drafter is not None:
+    why = {"none": "--drafter none", None: "no drafter named"}.get(drafter, "")
+    demo = model is None
+    if drafter == "none":
+        drafter = None
+    elif demo:
+        drafter = locate(DEFAULT_DEMO if drafter in (None, "auto") else drafter, DEMO)
+    elif drafter not in (None, "auto"):
         drafter = locate(drafter)   # a demo drafter's name without the demo target: refused
+    model = DEMO / "target" if demo else model
     check_level(verify)
     check_sources(model, drafter)
     dtype = compute_dtype(dtype)
-    model = hub.resolve(model)
-    if drafter is not None and not of_target(drafter):
-        drafter = hub.resolve(drafter)
-    read_target_config(model)     # a drafter or another architecture: said before anything
+    model = hub.resolve(model, "model", check_download if memory_check else None)
+    fmt = detect_dir(model)     # what cannot run (a drafter, another model, GGUF...): said first
+    if fmt.layout == "modelopt":
+        raise ValueError(convert_first(model, fmt))
+    raw = read_target_config(model)
+    if drafter == "auto":
+        drafter, why = pairing.resolve_default(raw)
+    elif drafter is not None and not of_target(drafter):
+        drafter = hub.resolve(drafter, "drafter")
     if memory_check:
         check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
@@ -197,6 +214,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
                 receipts=(receipt_hash(model), f"{drafter}:{receipt_hash(model)}"
                           if of_target(drafter) else receipt_hash(drafter)))
+    pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
     if prompt_cache_dir is not None:
         from .prompt_cache.cache import PromptCache
         from .prompt_cache.disk import open_store
@@ -242,6 +260,17 @@ def kernel_cache_cold() -> bool:
     return not any(cache.glob("*.so"))
 
 
+def drafter_note(loaded, name, why: str, demo: bool) -> str:
+    """The banners' words for a pair's drafter: "with its DSpark drafter" (the demo's, or the
+    target's own MTP block), "with the EAGLE-3 drafter DIR (why)", "serial only (why)"."""
+    if loaded is None:
+        return f"serial only ({why})"
+    kind = {"MTPDrafter": "MTP", "Eagle3Drafter": "EAGLE-3"}.get(type(loaded).__name__, "DSpark")
+    if demo or name == "mtp":
+        return f"with its {kind} drafter"
+    return f"with the {kind} drafter {name}" + (f" ({why})" if why else "")
+
+
 def load_another_drafter(pair: Pair, name, demo: bool, verify: str = "auto"):
     """One more drafter for ``pair``'s target (``bench --drafter A --drafter B``), named as
     :func:`load` names one (``demo``: the pair is the embedded demo pair)."""
@@ -263,7 +292,8 @@ def check_sources(model, drafter=None) -> None:
     from .drafters import of_target
 
     for name, what in ((model, "model"), (drafter, "drafter")):
-        if name is not None and not of_target(name) and not hub.is_repo_id(name) \
+        if name is not None and not of_target(name) and name not in ("none", "auto") \
+                and not hub.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{name}: no such {what} directory")
 

@@ -62,6 +62,11 @@ def read_target_config(path) -> dict:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{cfg_path}: not a JSON object")
+    return check_target_config(raw, path)
+
+
+def check_target_config(raw: dict, path) -> dict:
+    """``raw`` when it configures a Nemotron-H target, else ValueError in one line."""
     archs = raw.get("architectures") or []
     kind = raw.get("model_type")
     if "dflash_config" in raw or any("DSpark" in str(a) for a in archs):

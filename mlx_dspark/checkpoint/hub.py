@@ -1,10 +1,13 @@
 """Models named by Hugging Face repo id: converted on first use into a cache, reused after.
 
-``load("nvidia/…")`` and ``--model nvidia/…`` work as in mlx-lm: the ModelOpt export is fetched
-(converter/hub.py, at the pinned revision, else main), converted with the receipt and the
-progress bar into ``$MLX_DSPARK_CACHE`` (default ``~/.cache/mlx-dspark``), and later loads use
-that directory once its receipt confirms it came from the same repo and revision. A local
-directory always wins over a repo id of the same spelling. Free of MLX."""
+``load("nvidia/…")`` and ``--model nvidia/…`` work as in mlx-lm. The repo's small files come
+first (config.json, the safetensors index: format, architecture and size, checked before any
+large download); a model already in MLX layout (mlx-lm's conversions) is downloaded into
+huggingface_hub's cache and loads as it is; anything else is fetched (converter/hub.py, at the
+pinned revision, else main), converted with the receipt and the progress bar into
+``$MLX_DSPARK_CACHE`` (default ``~/.cache/mlx-dspark``), and later loads use that directory
+once its receipt confirms it came from the same repo and revision. A local directory always
+wins over a repo id of the same spelling. Free of MLX."""
 
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ import os
 import sys
 from pathlib import Path
 
+from ..converter import hub
 from ..converter.errors import ConversionError
 from ..converter.hub import _REPO_ID
-from ..converter.layout import RECEIPT_NAME, load_receipt
+from ..converter.layout import LAYOUT, RECEIPT_NAME, load_receipt
+from ..converter.quant_config import load_json
 from ..converter.receipts import load_pins, pinned_revision
+from .formats import check_target_config, detect, detect_dir
 
 
 def cache_root() -> Path:
@@ -30,24 +36,76 @@ def is_repo_id(name) -> bool:
         and not name.startswith(("./", "../", "~")) and not Path(name).expanduser().exists()
 
 
-def resolve(name) -> Path:
-    """The converted directory for ``name``: a local path as given, or a repo id's cache
-    entry (converted now if absent). ``name`` that is neither is returned as a path for the
-    loaders to report."""
+def cache_entry(repo: str) -> Path:
+    """Where the conversion of ``repo`` (at its pinned revision, else main) lives."""
+    revision = pinned_revision(load_pins(), repo)
+    return cache_root() / f"{repo.replace('/', '--')}--{revision or 'main'}"
+
+
+def resolve(name, kind: str = "model", fits=None) -> Path:
+    """The directory for ``name``: a local path as given; for a repo id, its cache entry
+    (converted now if absent) or, for a model already in MLX layout (mlx-lm's), its download
+    in huggingface_hub's cache, loaded as it is. Before any large download the repo's small
+    files (checkpoint/formats.py) refuse what cannot run; ``fits(total bytes)`` may refuse a
+    model too large for the device. ``kind``: "model" or "drafter". ``name`` that is neither
+    a path nor a repo id is returned as a path for the loaders to report."""
     if not is_repo_id(name):
         return Path(name).expanduser()
     repo = name
     revision = pinned_revision(load_pins(), repo)
-    out = cache_root() / f"{repo.replace('/', '--')}--{revision or 'main'}"
+    out = cache_entry(repo)
     if not out.exists():        # a conversion is renamed into place whole: absent or complete
+        local = hub.cached_snapshot(repo, revision)
+        if local is not None and _loads_as_is(local, kind):
+            return local
+        print(f"mlx-dspark: first use of {repo}: reading its config.json and safetensors index "
+              f"first", file=sys.stderr)
+        fmt, size = _precheck(repo, revision, kind)
+        if fits is not None and size:
+            fits(size)
+        what = f"{fmt}, " if fmt else ""
+        what += f"{size / 1e9:.1f} GB of weights" if size else "size not in its index"
+        if fmt is not None and fmt.layout in AS_IS:
+            print(f"mlx-dspark: {repo}: {what}: downloading it (it loads as it is)",
+                  file=sys.stderr)
+            return Path(hub._snapshot_download(repo, revision))
         with _converting(out):
             if not out.exists():        # not converted by another process meanwhile
                 from ..converter import convert
-                print(f"mlx-dspark: first use of {repo}: converting it into {out} (later "
-                      f"loads reuse it)", file=sys.stderr)
+                print(f"mlx-dspark: {repo}: {what}: converting it into {out} (later loads "
+                      f"reuse it)", file=sys.stderr)
                 convert(repo, out, revision=revision)
     _check_receipt(out, repo, revision)
     return out
+
+
+AS_IS = ("mlx-lm", "mlx-dspark")
+"""Layouts a repo id is downloaded in and loaded as they are (the others are converted)."""
+
+
+def _precheck(repo: str, revision: str | None, kind: str):
+    """(the model's Format, or None for a drafter; its weights' bytes, or None) from the
+    repo's small files; a one-line error for what cannot run."""
+    info = hub.inspect_repo(repo, revision)
+    where = f"{repo}@{revision or 'main'}"
+    if kind != "model":
+        if info.kind is None:
+            from ..converter.plan import detect_kind
+            detect_kind(info.config, info.names, Path(where))          # raises: why not
+        return None, info.size
+    check_target_config(info.config, where)
+    return detect(info.config, info.names, where, info.hf_quant_config), info.size
+
+
+def _loads_as_is(local: Path, kind: str) -> bool:
+    """A snapshot already in huggingface_hub's cache that loads without converting."""
+    try:
+        if kind == "model":
+            return detect_dir(local).layout in AS_IS
+        return (load_json(local / "config.json").get("quantization") or {}).get("layout") \
+            == LAYOUT
+    except (OSError, ValueError, ConversionError, AttributeError):
+        return False        # the precheck and the loaders say what is wrong with it
 
 
 @contextlib.contextmanager

@@ -147,3 +147,14 @@ def check_fits(model, drafter=None, dtype=mx.float32, context: int = DEFAULT_CON
         f"{model}: needs about {need / GB:.1f} GB ({parts}) but {where} is "
         f"{have / GB:.1f} GB; {hint}free memory, or use a smaller model; "
         f"memory_check=False (--no-memory-check) loads anyway")
+
+
+def check_download(nbytes: int, name: str) -> None:
+    """Before a repo is downloaded: refuse one whose weights alone (its safetensors index's
+    total size) exceed what the device can give."""
+    have, where = available_memory()
+    if nbytes > have:
+        raise InsufficientMemory(
+            f"{name}: its weights alone are {nbytes / GB:.1f} GB (its safetensors index) but "
+            f"{where} is {have / GB:.1f} GB, so nothing was downloaded; use a smaller "
+            f"quantization, or memory_check=False (--no-memory-check) to download it anyway")

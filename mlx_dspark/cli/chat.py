@@ -133,7 +133,8 @@ class Chat:
         except ImportError:
             pass
         model = self.args.model or "the embedded demo pair (a demonstration model, not Nemotron)"
-        drafter = "no drafter" if self.pair.drafter is None else "DSpark drafter"
+        drafter = self.pair.drafter_note or ("no drafter" if self.pair.drafter is None
+                                             else "DSpark drafter")
         print(f"mlx-dspark chat: {model}, {drafter}, speculative {self.args.speculative}. "
               f"/help lists the commands, Ctrl-D exits.")
         if hasattr(sys.stdin, "reconfigure"):    # bytes that are not UTF-8 reach utf8_text

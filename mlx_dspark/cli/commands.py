@@ -450,7 +450,8 @@ def banner(pair, model_id: str, sock, defaults: dict) -> str:
 
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    drafter = "with its DSpark drafter" if pair.drafter is not None else "without a drafter"
+    drafter = pair.drafter_note or ("with its DSpark drafter" if pair.drafter is not None
+                                    else "serial only (no drafter)")
     dtype = str(pair.target.dtype).rsplit(".", 1)[-1]
     shown = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "OpenAI's"
     return (f"mlx-dspark serve: {model_id} ({pair.path}) {drafter}, {dtype}, "

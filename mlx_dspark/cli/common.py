@@ -57,16 +57,21 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def add_model_arguments(p: argparse.ArgumentParser, many_drafters: bool = False) -> None:
     p.add_argument("--model", metavar="DIR|REPO",
-                   help="converted target directory, or the Hugging Face repo id of a ModelOpt "
-                        "export, converted on first use into $MLX_DSPARK_CACHE "
-                        "(~/.cache/mlx-dspark) and reused after (default: the embedded demo "
-                        "pair, a small demonstration model, not Nemotron)")
-    p.add_argument("--drafter", metavar="mtp|DIR|REPO", action="append" if many_drafters
+                   help="a Nemotron-H target: a directory (converted by mlx-dspark convert, "
+                        "mlx-lm's layout, or a Hugging Face BF16 download; docs/formats.md), or "
+                        "a Hugging Face repo id (mlx-lm's layout loads as it is; a ModelOpt or "
+                        "BF16 export is converted on first use into $MLX_DSPARK_CACHE, "
+                        "~/.cache/mlx-dspark, and reused after); default: the embedded demo "
+                        "pair, a small demonstration model, not Nemotron")
+    p.add_argument("--drafter", metavar="mtp|none|DIR|REPO", action="append" if many_drafters
                    else "store",
                    help="mtp: the target's own MTP block; or a converted DSpark drafter or "
-                        "EAGLE-3 head (directory or repo id). Without --model: dspark "
-                        "(default), mtp or eagle3 name the demo drafters. With --model the "
-                        "default is no drafter"
+                        "EAGLE-3 head (directory or repo id); none: serial decoding only. "
+                        "Without --model: dspark (default), mtp or eagle3 name the demo "
+                        "drafters. With --model the default is the drafter made for that model "
+                        "when its config is one mlx-dspark knows (Nemotron 3.5 Lightning: "
+                        "NVIDIA's DSpark drafter, from the local cache or by its repo id), "
+                        "else none"
                         + ("; repeat it to compare drafters in one run (serial once, then "
                            "each drafter at every --num-draft, interleaved per prompt)"
                            if many_drafters else ""))
@@ -199,8 +204,11 @@ def load_pair(args: argparse.Namespace):
     if args.model is None and not (api.DEMO / "target").is_dir():
         raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
                            f"missing); pass --model DIR [--drafter DIR]")
+    drafter = args.drafter
+    if drafter is None and args.model is not None:
+        drafter = "auto"            # the drafter made for this model, when one is known
     try:
-        pair = api.load(args.model, args.drafter, dtype=args.dtype, verify=args.verify,
+        pair = api.load(args.model, drafter, dtype=args.dtype, verify=args.verify,
                         memory_check=not args.no_memory_check, warm=False)
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None

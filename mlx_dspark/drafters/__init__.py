@@ -95,6 +95,12 @@ def load_drafter(source, target, *, dtype=None, verify: str = "auto", verbose: b
     demo = DEMO if path is not None and Path(path).resolve() == (DEMO / "target").resolve() \
         else None
     source = locate(source, demo)
+    fmt = getattr(target, "format", None)
+    if of_target(source) and fmt is not None and fmt.layout == "mlx-lm":
+        raise DrafterError(f"{path}: --drafter {source} reads NVIDIA's MTP block, which this "
+                           f"checkpoint ({fmt}) does not hold (mlx_lm.convert drops mtp.*): "
+                           f"use a DSpark or EAGLE-3 drafter, or NVIDIA's export of this "
+                           f"model as --model")
     kind = KINDS[source] if of_target(source) else kind_of(str(source))
     return kind.load(str(source), target, dtype=dtype, verify=verify, verbose=verbose,
                      nvfp4=nvfp4)
