@@ -289,12 +289,17 @@ def check_sources(model, drafter=None) -> None:
     """FileNotFoundError naming a ``model`` or ``drafter`` that is neither a directory nor a
     repo id: a check that reads nothing, made before anything slower (a port, a download)."""
     from .checkpoint import hub
+    from .checkpoint.formats import file_kind
     from .drafters import of_target
 
     for name, what in ((model, "model"), (drafter, "drafter")):
         if name is not None and not of_target(name) and name not in ("none", "auto") \
                 and not hub.is_repo_id(name) \
                 and not Path(name).expanduser().is_dir():
+            if Path(name).expanduser().is_file():
+                raise FileNotFoundError(f"{name}: {file_kind(name)}, not a {what} directory; "
+                                        f"mlx-dspark runs safetensors checkpoint directories "
+                                        f"(docs/formats.md)")
             raise FileNotFoundError(f"{name}: no such {what} directory")
 
 

@@ -3,7 +3,23 @@ reference_drafter, cli_pair) import by name because pytest puts this folder on `
 (rootdir-relative, no ``__init__.py``); the committed tiny drafter fixture's module imports as
 ``fixtures.drafter.tiny`` the same way. Nothing outside tests/ imports from it."""
 
+import os
+
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """mlx-dspark's cache (the hashes recorded at the first load of a directory without a
+    receipt, converted repo ids) is the run's own, never the user's; child processes inherit
+    it. Tests that need their own still set MLX_DSPARK_CACHE."""
+    before = os.environ.get("MLX_DSPARK_CACHE")
+    os.environ["MLX_DSPARK_CACHE"] = str(tmp_path_factory.mktemp("mlx-dspark-cache"))
+    yield
+    if before is None:
+        os.environ.pop("MLX_DSPARK_CACHE", None)
+    else:
+        os.environ["MLX_DSPARK_CACHE"] = before
 
 
 @pytest.fixture

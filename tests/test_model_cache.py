@@ -47,8 +47,20 @@ def hub_stand_in(exports, tmp_path, monkeypatch):
         return str(exports[repo_id])
 
     monkeypatch.setattr(hub, "_snapshot_download", fetch)
+    small_files_from(exports, monkeypatch)
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
     return asked
+
+
+def small_files_from(exports, monkeypatch):
+    """The hub's small files (config.json, the index: read before any download) come from
+    ``exports`` too, and huggingface_hub's own cache holds none of these repos."""
+    def small_file(repo_id, name, revision, required=False):
+        f = exports[repo_id] / name
+        return f if f.is_file() else None
+
+    monkeypatch.setattr(hub, "_small_file", small_file)
+    monkeypatch.setattr(hub, "cached_snapshot", lambda repo_id, revision: None)
 
 
 def test_a_repo_id_is_converted_once_into_the_cache_then_reused(hub_stand_in, tmp_path, capsys):
@@ -152,6 +164,7 @@ def test_two_loads_of_one_repo_id_wait_for_one_conversion_and_both_use_it(export
         return str(exports[repo_id])
 
     monkeypatch.setattr(hub, "_snapshot_download", slow_fetch)
+    small_files_from(exports, monkeypatch)
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
     got, errors = [], []
 

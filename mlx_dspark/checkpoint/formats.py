@@ -136,12 +136,20 @@ def detect(config: dict, tensors: dict, where, hf_quant_config: bool = False) ->
     return Format("hf", precision)
 
 
+def file_kind(path) -> str:
+    """What a file given where a directory belongs is, in a few words."""
+    suffix = Path(path).suffix
+    return {".gguf": "a GGUF file (llama.cpp's format)", ".safetensors": "a safetensors file",
+            ".bin": "a PyTorch pickle"}.get(suffix, "a file")
+
+
 def _refuse_foreign_files(path: Path) -> None:
     """GGUF files or PyTorch pickles where safetensors weights should be."""
     if path.is_file():
-        kind = "a GGUF file (llama.cpp's format)" if path.suffix == ".gguf" else "a file"
-        raise UnsupportedFormat(f"{path}: {kind}, not a checkpoint directory; mlx-dspark runs "
-                                f"safetensors checkpoints: {INSTEAD}")
+        raise UnsupportedFormat(f"{path}: {file_kind(path)}, not a checkpoint directory; "
+                                f"mlx-dspark runs safetensors checkpoints: {INSTEAD}")
+    if not path.is_dir():
+        return                       # read_target_config names what is missing
     names = os.listdir(path)
     if weight_files(str(path)):
         return

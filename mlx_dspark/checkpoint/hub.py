@@ -42,12 +42,13 @@ def cache_entry(repo: str) -> Path:
     return cache_root() / f"{repo.replace('/', '--')}--{revision or 'main'}"
 
 
-def resolve(name, kind: str = "model", fits=None) -> Path:
+def resolve(name, kind: str | None = None, fits=None) -> Path:
     """The directory for ``name``: a local path as given; for a repo id, its cache entry
     (converted now if absent) or, for a model already in MLX layout (mlx-lm's), its download
     in huggingface_hub's cache, loaded as it is. Before any large download the repo's small
     files (checkpoint/formats.py) refuse what cannot run; ``fits(total bytes)`` may refuse a
-    model too large for the device. ``kind``: "model" or "drafter". ``name`` that is neither
+    model too large for the device. ``kind``: "model" (refused unless a Nemotron-H target),
+"drafter", or None (either). ``name`` that is neither
     a path nor a repo id is returned as a path for the loaders to report."""
     if not is_repo_id(name):
         return Path(name).expanduser()
@@ -88,22 +89,24 @@ def _precheck(repo: str, revision: str | None, kind: str):
     repo's small files; a one-line error for what cannot run."""
     info = hub.inspect_repo(repo, revision)
     where = f"{repo}@{revision or 'main'}"
-    if kind != "model":
+    if kind == "model":
+        check_target_config(info.config, where)
+    elif info.kind != "target":
         if info.kind is None:
             from ..converter.plan import detect_kind
             detect_kind(info.config, info.names, Path(where))          # raises: why not
         return None, info.size
-    check_target_config(info.config, where)
     return detect(info.config, info.names, where, info.hf_quant_config), info.size
 
 
-def _loads_as_is(local: Path, kind: str) -> bool:
+def _loads_as_is(local: Path, kind: str | None) -> bool:
     """A snapshot already in huggingface_hub's cache that loads without converting."""
     try:
-        if kind == "model":
-            return detect_dir(local).layout in AS_IS
-        return (load_json(local / "config.json").get("quantization") or {}).get("layout") \
-            == LAYOUT
+        config = load_json(local / "config.json")
+        if (config.get("quantization") or {}).get("layout") == LAYOUT:
+            return True
+        return kind != "drafter" and detect_dir(
+            local, check_target_config(config, local)).layout == "mlx-lm"
     except (OSError, ValueError, ConversionError, AttributeError):
         return False        # the precheck and the loaders say what is wrong with it
 

@@ -475,9 +475,9 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
     without one against the hashes taken at its first load (checkpoint/recorded.py); a
     converted directory without a receipt needs ``verify="none"``."""
     dtype = compute_dtype(dtype)
+    fmt = detect_dir(path)          # what cannot run is refused before anything is read
     raw = read_target_config(path)
     cfg_path = os.path.join(path, "config.json")
-    fmt = detect_dir(path, raw)
     if fmt.layout == "modelopt":
         # ModelOpt's own layout (U8 nibbles, F8 block scales) is not ours: refuse rather than
         # misread NVFP4 block scales as FP8 weights.
