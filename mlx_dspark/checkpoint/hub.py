@@ -46,10 +46,10 @@ def resolve(name, kind: str | None = None, fits=None) -> Path:
     """The directory for ``name``: a local path as given; for a repo id, its cache entry
     (converted now if absent) or, for a model already in MLX layout (mlx-lm's), its download
     in huggingface_hub's cache, loaded as it is. Before any large download the repo's small
-    files (checkpoint/formats.py) refuse what cannot run; ``fits(total bytes)`` may refuse a
-    model too large for the device. ``kind``: "model" (refused unless a Nemotron-H target),
-"drafter", or None (either). ``name`` that is neither
-    a path nor a repo id is returned as a path for the loaders to report."""
+    files (checkpoint/formats.py) refuse what cannot run, and ``fits(total bytes, repo)`` may
+    refuse a model too large for the device. ``kind``: "model" (refused unless a Nemotron-H
+    target), "drafter", or None (either). ``name`` that is neither a path nor a repo id is
+    returned as a path for the loaders to report."""
     if not is_repo_id(name):
         return Path(name).expanduser()
     repo = name
@@ -63,7 +63,7 @@ def resolve(name, kind: str | None = None, fits=None) -> Path:
               f"first", file=sys.stderr)
         fmt, size = _precheck(repo, revision, kind)
         if fits is not None and size:
-            fits(size)
+            fits(size, repo)
         what = f"{fmt}, " if fmt else ""
         what += f"{size / 1e9:.1f} GB of weights" if size else "size not in its index"
         if fmt is not None and fmt.layout in AS_IS:
