@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..converter.layout import layer_pattern
 from .hub import cache_entry, resolve
@@ -33,8 +34,7 @@ KNOWN = [
 ]
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """The drafter to load (a repo id; None: serial decoding) and why, in the banner's words."""
     drafter: str | None
     why: str

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.pairing import LIGHTNING_PATTERN
 from .codecs import (E2M1, E4M3, bf16_bytes, nvfp4_quantize, nvfp4_dequantize, fp8_quantize,
                      write_raw_safetensors, read_raw_checkpoint)
 
@@ -324,7 +325,6 @@ def synth_eagle3(path, *, seed=2, draft_vocab=96, aux=(2, 3, 5), vocab=V, edit=N
 # RMS, so deep stacks stay finite. Everything streams: headers are computed from shapes,
 # then each tensor is produced in bounded chunks and written straight to its shard.
 
-LIGHTNING_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 LIGHTNING = dict(
     hidden_size=2688, vocab_size=131072, mamba_num_heads=64, mamba_head_dim=64,
     ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, num_attention_heads=32,
