@@ -8,10 +8,11 @@ in float32 (with the MTP block); ``mlx_lm.convert`` turns that into each of
 logit difference from mlx-lm's ``nemotron_h`` on the same files (relative to the largest
 logit; the original is compared with mlx-lm on its dequantized copy), whether greedy decoding
 gives mlx-lm's tokens, and the demo DSpark drafter's tokens per round against it (greedy,
-``--num-draft 3``), with "lossless" checking speculative == serial. The drafter was trained on
+``--num-draft 3``, the built-in code prompts of ``mlx-dspark bench`` and four more, 128
+tokens each), with "lossless" checking speculative == serial. The drafter was trained on
 the original: its tokens per round on a quantized copy is what quantization costs speculation.
 
-    python benchmarks/bench_formats.py [--tokens 64] [--out DIR] [--json]
+    python benchmarks/bench_formats.py [--tokens 128] [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import mlx.core as mx
 
 import mlx_dspark as md
 from mlx_dspark.api import DEMO
+from mlx_dspark.cli.bench import PROMPTS as BENCH_PROMPTS
 from mlx_dspark.open_files import import_mlx_lm
 from mlx_dspark.testing.mlx_lm_layouts import make_all
 
-PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):",
-           "class Stack:\n    def __init__(self):", "def parse_args(argv):\n    parser = "]
+PROMPTS = [*BENCH_PROMPTS["code"], "import os\n\n\ndef read_lines(path):",
+           "def parse_args(argv):\n    parser = ", "class Config:\n    def __init__(self, path):\n",
+           "def merge_sorted(a, b):\n"]
 
 
 def mlx_lm_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -73,7 +76,7 @@ def measure(name: str, path: Path, oracle: Path, tokens: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", help="where the converted copies go (default: a temporary dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

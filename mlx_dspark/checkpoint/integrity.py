@@ -177,9 +177,10 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full",
     jobs += random.SystemRandom().sample(optional, min(FAST_SAMPLES, len(optional)))
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
     try:
-        for problem in pool.map(_check_span, jobs, [words] * len(jobs)):
+        for problem in pool.map(_check_span, jobs):
             if problem:
-                raise CheckpointError(problem)
+                raise CheckpointError(problem.replace(RECEIPT_WORDS[0], against)
+                                      .replace(RECEIPT_WORDS[1], since))
     finally:
         pool.shutdown(cancel_futures=True)   # the first difference is enough
 
@@ -194,7 +195,7 @@ def _header_blocks(f: str, o: Output) -> int:
     return -(-min(8 + n, o.size) // o.block_size)
 
 
-def _check_span(job, words=RECEIPT_WORDS) -> str | None:
+def _check_span(job) -> str | None:
     f, start, length, want, block = job
     sha, end = hashlib.sha256(), start + length
     try:
@@ -212,8 +213,8 @@ def _check_span(job, words=RECEIPT_WORDS) -> str | None:
     if got == want:
         return None
     what = "sha256" if block is None else f"block {block} (bytes {start}-{end - 1}) sha256"
-    return (f"{f}: {what} {got} differs from {words[0]} ({want}): the file changed "
-            f"{words[1]}")
+    return (f"{f}: {what} {got} differs from the conversion receipt ({want}): the file "
+            f"changed after conversion")
 
 
 def verify_directory(path) -> str:
