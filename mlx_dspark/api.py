@@ -263,10 +263,12 @@ def kernel_cache_cold() -> bool:
 def drafter_note(loaded, name, why: str, demo: bool) -> str:
     """The banners' words for a pair's drafter: "with its DSpark drafter" (the demo's, or the
     target's own MTP block), "with the EAGLE-3 drafter DIR (why)", "serial only (why)"."""
+    from .drafters import of_target
+
     if loaded is None:
         return f"serial only ({why})"
-    kind = {"MTPDrafter": "MTP", "Eagle3Drafter": "EAGLE-3"}.get(type(loaded).__name__, "DSpark")
-    if demo or name == "mtp":
+    kind = getattr(loaded, "label", "DSpark")
+    if demo or of_target(name):
         return f"with its {kind} drafter"
     return f"with the {kind} drafter {name}" + (f" ({why})" if why else "")
 

@@ -66,7 +66,7 @@ def cached_drafter(known_demo):
 
 def test_a_known_model_gets_its_drafter_from_the_local_cache(cached_drafter):
     pair = md.load(str(DEMO / "target"), "auto", dtype="float32", warm=False)
-    assert pair.drafter is not None and type(pair.drafter).__name__ == "Drafter"
+    assert pair.drafter is not None and pair.drafter.label == "DSpark"
     assert pair.drafter_note == (f"with the DSpark drafter {cached_drafter} (the default for "
                                  f"the demo target, from the local cache)")
     ids = [1, 281, 1092, 44]
