@@ -180,6 +180,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     from .checkpoint import hub, pairing
     from .checkpoint.formats import convert_first, detect_dir
     from .checkpoint.memory import check_download, check_fits
+    from .checkpoint.recorded import recorded_hash
     from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
     from .models.nemotron_h import compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
@@ -208,12 +209,13 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     if memory_check:
         check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
+    own = receipt_hash(model) or recorded_hash(model)     # what disk snapshots are keyed by
     pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
                 tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
-                receipts=(receipt_hash(model), f"{drafter}:{receipt_hash(model)}"
-                          if of_target(drafter) else receipt_hash(drafter)))
+                receipts=(own, f"{drafter}:{own}" if of_target(drafter)
+                          else receipt_hash(drafter)))
     pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
     if prompt_cache_dir is not None:
         from .prompt_cache.cache import PromptCache

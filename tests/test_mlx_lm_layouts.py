@@ -158,3 +158,23 @@ def test_verify_records_a_directory_it_has_not_seen(made, tmp_path, monkeypatch,
     assert "hashes are recorded now" in capsys.readouterr().out
     assert cli.main(["verify", path]) == 0
     assert capsys.readouterr().out.startswith(f"{path}: intact: ")
+
+
+def test_disk_snapshots_are_keyed_by_the_recorded_hashes(made, tmp_path):
+    pair = md.load(str(made["affine-4bit"]), dtype="float32", warm=False,
+                   prompt_cache_dir=str(tmp_path / "snapshots"))
+    assert pair.receipts[0] is not None and pair.prompt_cache is not None
+    again = md.load(str(made["affine-4bit"]), dtype="float32", warm=False)
+    assert again.receipts[0] == pair.receipts[0]
+
+
+def test_the_memory_pre_flight_counts_mlx_lm_s_layout(made):
+    from mlx_dspark.checkpoint.memory import weight_bytes
+    for name in ("bf16", "affine-4bit", "nvfp4"):
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        target = md.load_target(str(made[name]), dtype="float32")
+        held = mx.get_active_memory() - before
+        estimate, _ = weight_bytes(str(made[name]), mx.float32)
+        assert 0.8 * held <= estimate <= 1.25 * held, (name, estimate, held)
+        del target

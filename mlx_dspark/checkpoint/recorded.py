@@ -95,6 +95,19 @@ def recorded(path) -> tuple[list, str] | None:
             str(doc.get("recorded")))
 
 
+def recorded_hash(path) -> str | None:
+    """A digest of the record of ``path`` (every file's size and SHA-256), what disk snapshots
+    are keyed by where a receipt's digest would be (prompt_cache/disk.py); None without one."""
+    try:
+        found = recorded(path)
+    except CheckpointError:
+        return None
+    if found is None:
+        return None
+    files = {o.name: {"size": o.size, "sha256": o.sha256} for o in found[0]}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def _check(path: str, outputs: list, verify: str) -> None:
     hint = f" (if the change is yours, delete {record_file(path)}: the next load records again)"
     listed = {o.name for o in outputs}
