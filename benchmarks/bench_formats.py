@@ -12,7 +12,7 @@ gives mlx-lm's tokens, and the demo DSpark drafter's tokens per round against it
 tokens each), with "lossless" checking speculative == serial. The drafter was trained on
 the original: its tokens per round on a quantized copy is what quantization costs speculation.
 
-    python benchmarks/bench_formats.py [--tokens 128] [--out DIR] [--json]
+    python benchmarks/bench_formats.py [--tokens 128] [--out DIR] [--formats NAME ...] [--json]
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", help="where the converted copies go (default: a temporary dir)")
+    ap.add_argument("--formats", nargs="+", metavar="NAME", help="only these of FORMATS")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-formats-"))
-    made = make_all(out, DEMO / "target")
+    made = make_all(out, DEMO / "target", args.formats)
     rows = [measure("nvfp4 original (mlx-dspark)", DEMO / "target", made["hf-fp32"], args.tokens)]
     rows += [measure(name, path, path, args.tokens) for name, path in made.items()]
     if args.json:

@@ -123,7 +123,7 @@ def detect(config: dict, tensors: dict, where, hf_quant_config: bool = False) ->
     method = str(qc.get("quant_method", "modelopt")).lower() if isinstance(qc, dict) else None
     if method == "modelopt" or (method is None and hf_quant_config):
         algo = (qc or {}).get("quant_algo") or "ModelOpt"
-        return Format("modelopt", f"{algo}")
+        return Format("modelopt", str(algo))
     if method is not None:
         name = QUANT_METHODS.get(method, method)
         raise UnsupportedFormat(f"{where}: {name} quantization (config.json quantization_config"
@@ -182,7 +182,9 @@ def detect_dir(path, config: dict | None = None) -> Format:
     path = Path(path)
     _refuse_foreign_files(path)
     config = read_target_config(path) if config is None else config
-    return detect(config, _tensor_dtypes(path), path, (path / "hf_quant_config.json").is_file())
+    quantized = isinstance(config.get("quantization"), dict) or "quantization_config" in config
+    tensors = {} if quantized else _tensor_dtypes(path)     # a float one is told by its names
+    return detect(config, tensors, path, (path / "hf_quant_config.json").is_file())
 
 
 def mlx_lm_source(path, config: dict) -> Format | None:

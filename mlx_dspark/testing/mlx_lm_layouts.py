@@ -32,10 +32,11 @@ FORMATS = {
                       dtype="bfloat16"),
     "mxfp4": dict(quantize=True, q_mode="mxfp4", dtype="bfloat16"),
     "nvfp4": dict(quantize=True, q_mode="nvfp4", dtype="bfloat16"),
+    "mxfp8": dict(quantize=True, q_mode="mxfp8", dtype="bfloat16"),
 }
 """name -> ``mlx_lm.convert`` keywords: float copies with stacked ``switch_mlp`` experts, MLX
 affine quantization at each bit width (plus a smaller group and mlx-lm's mixed 3/6-bit recipe,
-which writes per-layer overrides), and MLX's ``mxfp4`` and ``nvfp4`` modes."""
+which writes per-layer overrides), and MLX's ``mxfp4``, ``nvfp4`` and ``mxfp8`` modes."""
 
 
 def _dense(tensors: dict, name: str, dtype) -> mx.array:
