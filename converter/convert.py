@@ -29,7 +29,8 @@ from pathlib import Path
 
 from .errors import ConversionError
 from .hub import resolve_source
-from .plan import TARGET, build_plan
+from .mlx_layouts import mlx_layout
+from .plan import TARGET, build_plan, load_source_tensors
 from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt, target_tensor_names
 from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import RECEIPT_FORMAT, PinCheck, load_pins, receipt
@@ -249,10 +250,9 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     if (config.get("quantization") or {}).get("layout") == LAYOUT:
         raise ConversionError(f"{src}: already converted (its config.json has the {LAYOUT} "
                               f"layout): load it as it is (--model / --drafter)")
-    from mlx_dspark.checkpoint.formats import mlx_lm_source   # (its package imports this one)
-    mlx_lm = mlx_lm_source(s, config)
-    if mlx_lm is not None:
-        raise ConversionError(f"{src}: already in MLX layout ({mlx_lm}): it loads as it is "
+    mlx = mlx_layout(config, {n: t.dtype for n, t in load_source_tensors(s).items()})
+    if mlx is not None:
+        raise ConversionError(f"{src}: already in MLX layout ({mlx}): it loads as it is "
                               f"(--model {src}); nothing to convert, nothing written")
     spec = parse_quant_spec(s, config)
     plan = build_plan(s, config, spec, keep_mtp=keep_mtp)

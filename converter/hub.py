@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConversionError
+from .mlx_layouts import mlx_layout
+from .quant_config import check_quant_method
 from .receipts import pinned_revision
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -54,12 +56,11 @@ def resolve_source(src: str, revision: str | None, pins: dict,
     if info.kind is None:
         from .plan import detect_kind
         detect_kind(info.config, info.names, Path(f"{src}@{rev or 'main'}"))   # raises: why
-    if info.kind == "target":
-        from mlx_dspark.checkpoint.formats import detect   # (its package imports this one)
-        fmt = detect(info.config, info.names, f"{src}@{rev or 'main'}", info.hf_quant_config)
-        if fmt.layout in ("mlx-lm", "mlx-dspark"):
-            raise ConversionError(f"{src}: already in MLX layout ({fmt}): it loads as it is "
-                                  f"(--model {src}); nothing to convert, nothing downloaded")
+    check_quant_method(info.config, f"{src}@{rev or 'main'}")
+    mlx = mlx_layout(info.config, info.names)
+    if mlx is not None:
+        raise ConversionError(f"{src}: already in MLX layout ({mlx}): it loads as it is "
+                              f"(--model {src}); nothing to convert, nothing downloaded")
     local = Path(_snapshot_download(src, rev))
     _, fetched = _from_hf_cache(local)
     return Source(local, src, fetched or rev)

@@ -128,6 +128,16 @@ def _check_algo(algo, group_size, where: str) -> str:
     return ALGO_FORMAT[algo]
 
 
+def check_quant_method(config: dict, where) -> None:
+    """Refuse a config whose ``quantization_config`` is not ModelOpt's (GPTQ, AWQ, ...): its
+    tensors are no ModelOpt bytes to copy."""
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method", "modelopt") if isinstance(qc, dict) else "modelopt"
+    if method != "modelopt":
+        raise ConversionError(
+            f"{where}: unsupported quant_method {method!r} (only ModelOpt exports)")
+
+
 def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
     """Read hf_quant_config.json (preferred) or config.json's quantization_config."""
     hf_path = src / "hf_quant_config.json"
@@ -144,10 +154,7 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
                 f"quantization_config ({qc.get('quant_algo')!r})")
     elif isinstance(qc, dict):
         q, where = qc, src / "config.json"
-        method = qc.get("quant_method", "modelopt")
-        if method != "modelopt":
-            raise ConversionError(
-                f"{where}: unsupported quant_method {method!r} (only ModelOpt exports)")
+        check_quant_method(config, where)
     else:
         return QuantSpec(algo=None, source="none")
 

@@ -14,14 +14,11 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..converter.layout import LAYOUT, weight_files
+from ..converter.layout import weight_files
+from ..converter.mlx_layouts import Format, dense_precision, mlx_layout
 from .integrity import CheckpointError
-
-MLX_LM_EXPERTS = ".switch_mlp."
-"""The name part of mlx-lm's stacked experts (``mixer.switch_mlp.fc1`` / ``fc2``)."""
 
 QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
                  "compressed-tensors": "compressed-tensors", "fp8": "FP8 (block-scaled)",
@@ -34,19 +31,6 @@ INSTEAD = ("use NVIDIA's BF16 or NVFP4 release (--model takes its repo id), or a
 class UnsupportedFormat(CheckpointError):
     """A checkpoint in a format mlx-dspark does not run: the message names the format and
     what to use instead."""
-
-
-@dataclass(frozen=True)
-class Format:
-    layout: str          # "mlx-dspark", "mlx-lm", "hf" or "modelopt"
-    precision: str       # "bf16", "affine 4-bit (group 64)", "nvfp4", "NVFP4 (ModelOpt)", ...
-
-    def __str__(self) -> str:
-        return f"{NAMES[self.layout]}, {self.precision}"
-
-
-NAMES = {"mlx-dspark": "mlx-dspark's converted layout", "mlx-lm": "mlx-lm's layout",
-         "hf": "Hugging Face layout", "modelopt": "a ModelOpt export"}
 
 
 def read_target_config(path) -> dict:
@@ -82,58 +66,27 @@ def check_target_config(raw: dict, path) -> dict:
     return raw
 
 
-def _mlx_lm_precision(q: dict) -> str:
-    """``quantization`` as mlx-lm writes it: defaults plus per-module overrides (a dict, or
-    False for a module left in float)."""
-    def scheme(d):
-        mode, bits, group = d.get("mode", "affine"), d.get("bits"), d.get("group_size")
-        return f"affine {bits}-bit (group {group})" if mode == "affine" else str(mode)
-
-    over = sorted({scheme(v) for v in q.values() if isinstance(v, dict)} - {scheme(q)})
-    return scheme(q) + (f", per-module {' and '.join(over)}" if over else "")
-
-
-def _dense_precision(config: dict, tensors: dict) -> str:
-    """The float dtype most weights have (float32 routers and A_log aside), or, where only
-    names are known (a repo's index), the config's word for it."""
-    floats = [d for n, d in tensors.items() if n.endswith(".weight") and d in _WORDS]
-    if floats:
-        return _WORDS[max(sorted(set(floats)), key=floats.count)]
-    word = str(config.get("torch_dtype") or config.get("dtype") or "")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(word, "float")
-
-
-_WORDS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-
-
 def detect(config: dict, tensors: dict, where, hf_quant_config: bool = False) -> Format:
     """The format of a Nemotron-H checkpoint from its config and ``tensors`` (name -> its
     safetensors dtype, or None where only names are known); UnsupportedFormat for one that
     no loader here runs."""
-    quant = config.get("quantization")
-    qc = config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("layout") == LAYOUT:
-        return Format("mlx-dspark", str(quant.get("source_quant_algo") or "bf16"))
-    if isinstance(quant, dict):
-        if config.get("moe_latent_size"):
+    mlx = mlx_layout(config, tensors)
+    if mlx is not None:
+        if mlx.layout == "mlx-lm" and config.get("moe_latent_size"):
             raise UnsupportedFormat(f"{where}: mlx-lm's layout with a latent MoE "
                                     f"(moe_latent_size): not implemented here; run it with "
                                     f"mlx-lm")
-        return Format("mlx-lm", _mlx_lm_precision(quant))
+        return mlx
+    qc = config.get("quantization_config")
     method = str(qc.get("quant_method", "modelopt")).lower() if isinstance(qc, dict) else None
     if method == "modelopt" or (method is None and hf_quant_config):
-        algo = (qc or {}).get("quant_algo") or "ModelOpt"
-        return Format("modelopt", str(algo))
+        return Format("modelopt", str((qc or {}).get("quant_algo") or "ModelOpt"))
     if method is not None:
         name = QUANT_METHODS.get(method, method)
         raise UnsupportedFormat(f"{where}: {name} quantization (config.json quantization_config"
                                 f" quant_method {method!r}): not a format mlx-dspark runs; "
                                 f"{INSTEAD}")
-    names = set(tensors)
-    precision = _dense_precision(config, tensors)
-    if any(MLX_LM_EXPERTS in n for n in names):
-        return Format("mlx-lm", precision)
-    return Format("hf", precision)
+    return Format("hf", dense_precision(config, tensors))
 
 
 def file_kind(path) -> str:
@@ -185,19 +138,6 @@ def detect_dir(path, config: dict | None = None) -> Format:
     quantized = isinstance(config.get("quantization"), dict) or "quantization_config" in config
     tensors = {} if quantized else _tensor_dtypes(path)     # a float one is told by its names
     return detect(config, tensors, path, (path / "hf_quant_config.json").is_file())
-
-
-def mlx_lm_source(path, config: dict) -> Format | None:
-    """mlx-lm's layout when directory ``path`` is in it (a ``quantization`` block that is not
-    ours, or stacked ``switch_mlp`` experts), else None: ``convert``'s question, for any kind
-    of model."""
-    quant = config.get("quantization")
-    if isinstance(quant, dict) and quant.get("layout") != LAYOUT:
-        return Format("mlx-lm", _mlx_lm_precision(quant))
-    tensors = _tensor_dtypes(Path(path))
-    if any(MLX_LM_EXPERTS in n for n in tensors):
-        return Format("mlx-lm", _dense_precision(config, tensors))
-    return None
 
 
 def convert_first(path, fmt: Format) -> str:
