@@ -127,7 +127,7 @@ class Session:
         self.pending: list[mx.array] = []
         self.pending_start = 0
         self.pending_rows = 0
-        self.ahead = None   # the cache mark of a serial step built ahead and not yet fed
+        self.ahead = None   # a serial step built ahead and not yet fed (loop.Ahead)
 
     @property
     def tap_layers(self):

@@ -1,0 +1,120 @@
+"""What the loop's steps read and count: one decode call (:class:`Call`), its stretches
+(:class:`Run`: one request from its prompt; a thinking budget runs several on one call), the
+checks a request meets before its call starts and the controller it runs under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..request import Request, RequestError
+from ..stats import Stats
+from .constraint import Grammatical, Unconstrained
+from .controller import Controller
+from .sampling import Noise, Sampler
+from .session import Session
+
+
+def check(session: Session, request: Request):
+    """What only the session can tell about a request (the request checked itself)."""
+    vocab = session.target.config.vocab_size
+    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError("prompt", f"token id {bad} is outside the model's vocabulary "
+                                     f"[0, {vocab})")
+    limit = session.target.context_limit
+    if limit is not None and len(request.prompt) >= limit:
+        raise RequestError("prompt", f"prompt has {len(request.prompt)} tokens; the model's "
+                                     f"context limit is {limit} (max_position_embeddings), "
+                                     f"leaving no room to generate")
+    if request.speculative == "on" and session.drafter is None:
+        raise RequestError("speculative", "speculative 'on' needs a drafter, and this "
+                                          "session has none")
+    if request.speculative != "off" and session.drafter is not None \
+            and request.num_draft > session.drafter.max_draft:
+        raise RequestError("num_draft", f"num_draft {request.num_draft}: this drafter proposes "
+                                        f"at most {session.drafter.max_draft} tokens per round")
+
+
+def controller(session: Session, request: Request) -> Controller:
+    """The controller of this call: the session's learned one under "auto"; a forced call
+    keeps its estimates to itself, so what "auto" learned stays."""
+    if request.speculative != "auto":
+        return Controller(request.num_draft, mode=request.speculative)
+    control = session.controller
+    if control is None or control.num_draft != request.num_draft:
+        control = session.controller = Controller(request.num_draft)
+    return control
+
+
+class StaleGenerator(RuntimeError):
+    """A generator resumed after another call changed its session."""
+
+
+@dataclass
+class Call:
+    """One decode call: its session, the constraint its output follows (across the stretches
+    of a thinking budget) and the session generation it owns."""
+
+    session: Session
+    constraint: Unconstrained | Grammatical
+    generation: int = 0
+
+    def still_current(self):
+        if self.session.generation != self.generation:
+            raise StaleGenerator("this generation's session was used by another call since "
+                                 "(a newer decode or a restore); its state is no longer this "
+                                 "generation's: start a new one")
+
+
+@dataclass
+class Run:
+    """One stretch of decoding: its call, its request and what its steps count into."""
+
+    call: Call
+    request: Request
+    stats: Stats
+    sampler: Sampler
+    noise: Noise
+    control: Controller
+    switches_before: int
+    tap: bool              # the session has a drafter: it keeps its context whole
+    use_drafter: bool      # ... and this request may speculate
+
+    @classmethod
+    def start(cls, call: Call, request: Request, stats: Stats) -> "Run":
+        sampler = Sampler.of(request)
+        stats.requested = request.speculative
+        stats.tested_by_position = [0] * request.num_draft
+        stats.accepted_by_position = [0] * request.num_draft
+        stats.prompt_tokens = len(request.prompt)
+        tap = call.session.drafter is not None
+        control = controller(call.session, request)
+        noise = Noise(sampler, request.seed)
+        if not sampler.greedy:
+            stats.sampling, stats.seed = sampler.scheme, noise.seed
+        return cls(call, request, stats, sampler, noise, control, control.switches, tap,
+                   tap and request.speculative != "off")
+
+    def count_round(self, n: int, a: int, times):
+        """Stats and controller bookkeeping of one round of ``n`` drafts, ``a`` accepted
+        (``times``: its six clock readings)."""
+        t_start, t0, t1, t2, t3, t4 = times
+        stats = self.stats
+        stats.rounds += 1
+        stats.drafted += n
+        stats.accepted += a
+        for i in range(min(a + 1, n)):
+            stats.tested_by_position[i] += 1
+            stats.accepted_by_position[i] += i < a
+        stats.t_draft += t1 - t_start
+        stats.t_verify += t2 - t1
+        stats.t_rollback += t4 - t3
+        stats.t_round += t4 - t_start
+        self.control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
+
+    def note_mode(self):
+        """After each step: what the controller is doing, and how often it switched."""
+        self.stats.switches = self.control.switches - self.switches_before
+        self.stats.predicted_speedup = self.control.predicted_speedup()
+        self.stats.mode = "speculative" if self.use_drafter and self.control.speculating \
+            else "serial"
