@@ -39,9 +39,10 @@ def generation_stream() -> mx.ThreadLocalStream:
     mlx-lm's: an MLX stream belongs to the thread that made it, and the server's engine
     decodes on a thread of its own."""
     device = mx.default_device()
-    if device not in _streams:
-        _streams[device] = mx.new_thread_local_stream(device)
-    return _streams[device]
+    key = str(device)                 # (a Device hashes by identity)
+    if key not in _streams:
+        _streams[key] = mx.new_thread_local_stream(device)
+    return _streams[key]
 
 
 class _Wired:

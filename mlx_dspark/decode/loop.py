@@ -166,10 +166,12 @@ class Ahead:
     since: float = 0.0
 
 
-def build_ahead(session: Session, token: mx.array, sampler: Sampler, noise: Noise, tap: bool):
-    mark = session.cache.mark()
-    session.ahead = Ahead(*serial_step(session, token, sampler, noise, tap), mark)
-    mx.async_eval(session.ahead.token)
+def build_ahead(run: Run, token: mx.array):
+    """Build and queue the serial step that feeds ``token`` (lazy), before it is read."""
+    mark = run.session.cache.mark()
+    step = serial_step(run.session, token, run.sampler, run.noise, run.tap, run.constraint)
+    run.session.ahead = Ahead(*step, mark)
+    mx.async_eval(run.session.ahead.token)
 
 
 def undo_ahead(session: Session):
@@ -218,12 +220,12 @@ def _decode(call: Call, request: Request, stats: Stats) -> Iterator[int]:
 
 def _first(run: Run) -> int:
     """Prefill the prompt and choose the first token (the first bonus)."""
-    session, stats, prompt = run.call.session, run.stats, list(run.request.prompt)
+    session, stats, prompt = run.session, run.stats, list(run.request.prompt)
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
     stats.generated = 0
     last = prefill(session, prompt, tap=run.tap)[None]
-    token = pick(last, run.sampler, run.noise, len(prompt), run.call.constraint.allowed(last))
+    token = pick(last, run.sampler, run.noise, len(prompt), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
     return token
@@ -234,7 +236,7 @@ def _emit(run: Run, out: list[int]):
     when the last one ends the run. Only the last token can end it (a round stops at its
     first stop token); its finish reason is set before it is yielded, so a consumer can mark
     the last token's chunk as the final one."""
-    session, stats = run.call.session, run.stats
+    session, stats = run.session, run.stats
     for token in out[:-1]:
         stats.generated += 1
         yield token
@@ -251,7 +253,7 @@ def _emit(run: Run, out: list[int]):
     yield token
     if stats.finish_reason is not None:
         return None
-    run.call.constraint.advance(token)
+    run.constraint.advance(token)
     run.call.still_current()
     return room
 
@@ -266,19 +268,19 @@ def _serial(run: Run, token: int, room: int) -> int:
     """Feed ``token`` and read the one after it. Within a serial stretch the step after this
     one is built and queued before this one's token is read (the step ahead); while
     speculating, a serial step is a single cost refresh, decided after it is observed."""
-    session, constraint = run.call.session, run.call.constraint
+    session = run.session
     ahead, session.ahead = session.ahead, None
     if ahead is None:
         t0 = time.perf_counter()
-        nxt, taps = serial_step(session, token, run.sampler, run.noise, run.tap, constraint)
+        nxt, taps = serial_step(session, token, run.sampler, run.noise, run.tap, run.constraint)
         mx.async_eval(nxt)
     else:
         t0, nxt, taps = ahead.since, ahead.token, ahead.taps
     session.feed([token], taps)
-    if room >= 2 and constraint.lookahead \
+    if room >= 2 and run.constraint.lookahead \
             and not (run.use_drafter and run.control.speculating) \
             and not _speculate(run, room - 1):
-        build_ahead(session, nxt, run.sampler, run.noise, run.tap)
+        build_ahead(run, nxt)
     nxt = finite(nxt.item(), session)     # (not finite: the session, step ahead and all, is reset)
     t_read = time.perf_counter()
     if session.ahead is not None:
@@ -295,41 +297,45 @@ def _round(run: Run, bonus: int, n: int) -> list[int]:
     """One speculative round; returns the tokens it emits (accepted drafts + next token).
 
     Drafts, verify and acceptance are built as one lazy graph and read back once."""
-    session, sampler, noise, control = run.call.session, run.sampler, run.noise, run.control
+    session, sampler, noise, control = run.session, run.sampler, run.noise, run.control
     t_start = time.perf_counter()
-    caught_up = session.flush()
-    if caught_up > n + 1:
-        # A catch-up (the prompt, serial steps) is work per token, not per round: computed
-        # before the round's clock starts, so the controller prices rounds without it.
-        mx.eval(session.draft_cache.arrays())
+    _catch_up(run, n, t_start)
     t0 = time.perf_counter()
-    if caught_up > n + 1:
-        control.observe_catchup(t0 - t_start, caught_up)
     # A probe: "auto" measuring (no estimate yet, or decoding serially), not yet a decision.
     probe = control.mode == "auto" and (not control.speculating
                                         or control.predicted_speedup() is None)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n],
-                                 run.call.constraint)
+                                 run.constraint)
     t1 = time.perf_counter()
     target_logits, taps = verify(session, bonus, drafts)
     a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
                     None if sampler.greedy else noise.next_key(),
-                    run.call.constraint.allowed(target_logits, drafts))
+                    run.constraint.allowed(target_logits, drafts))
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
     read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
     finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
     out = _through_stop(out, run.request.stop_tokens)
-    run.call.constraint.settle(len(out) - 1)   # the accepted drafts stay; the rest roll back
+    run.constraint.settle(len(out) - 1)   # the accepted drafts stay; the rest roll back
     t3 = time.perf_counter()
     commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
     run.count_round(n, a, (t_start, t0, t1, t2, t3, t4))
     run.stats.probe_rounds += probe
     return out
+
+
+def _catch_up(run: Run, n: int, t_start: float):
+    """The drafter takes the taps of the tokens it has not seen (the prompt, serial steps).
+    A long catch-up is work per token, not per round: computed here, before the round's
+    clock starts, so the controller prices rounds without it."""
+    caught_up = run.session.flush()
+    if caught_up > n + 1:
+        mx.eval(run.session.draft_cache.arrays())
+        run.control.observe_catchup(time.perf_counter() - t_start, caught_up)
 
 
 def _through_stop(out: list[int], stops) -> list[int]:

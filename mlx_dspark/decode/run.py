@@ -80,6 +80,14 @@ class Run:
     tap: bool              # the session has a drafter: it keeps its context whole
     use_drafter: bool      # ... and this request may speculate
 
+    @property
+    def session(self) -> Session:
+        return self.call.session
+
+    @property
+    def constraint(self) -> Unconstrained | Grammatical:
+        return self.call.constraint
+
     @classmethod
     def start(cls, call: Call, request: Request, stats: Stats) -> "Run":
         sampler = Sampler.of(request)
