@@ -1,7 +1,7 @@
 """Agents against real `mlx-dspark serve` processes, driven by the official `openai` and
 `anthropic` clients: tool calls (a scripted stand-in target writes chosen replies, since the
 tiny demo model never writes a valid call), thinking and its budget, logprobs, the Anthropic
-Messages API, and a 400 naming every field the server does not honour."""
+Messages API, and a 400 naming every field the server neither honours nor accepts."""
 
 from __future__ import annotations
 
@@ -280,20 +280,21 @@ def test_the_anthropic_endpoint_wants_the_key_and_answers_errors_in_its_shape(de
     body = {"model": DEMO, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(demo + "/v1/messages", json=body, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    claude(demo).messages.create(**body, metadata={"user_id": "u"})     # informational
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude(demo).messages.create(**body, metadata={"user_id": "u"})
-    assert e.value.body["type"] == "error" and "metadata" in e.value.body["error"]["message"]
+        claude(demo).messages.create(**body, extra_body={"mcp_servers": [{"url": "x"}]})
+    assert e.value.body["type"] == "error" and "mcp_servers" in e.value.body["error"]["message"]
 
 
 CHAT = [{"role": "user", "content": "hi"}]
 REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"user": "u1"}, "user"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False, "tools": [WEATHER]},
+    ("/v1/chat/completions", {"parallel_tool_calls": "no", "tools": [WEATHER]},
      "parallel_tool_calls"),
-    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {

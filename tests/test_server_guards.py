@@ -130,8 +130,9 @@ def test_a_request_cannot_bring_a_template_or_tokenizer_arguments(client, kwargs
     assert next(iter(kwargs)) in err["message"]
 
 
-def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(client, engine,
-                                                                       monkeypatch):
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(engine, monkeypatch):
+    client = TestClient(create_app(engine, "demo", KEY, exposure=Exposure(max_body=8 << 20)),
+                        base_url="http://localhost")      # the text is over 1 MB
     encoded = []
     monkeypatch.setattr(engine.pair.tokenizer._tokenizer, "encode",
                         lambda *a, **k: encoded.append(1) or [1])

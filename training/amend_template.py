@@ -26,7 +26,8 @@ def amend(folder: Path):
     entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     receipt["source"]["files"][NAME] = dict(entry)
     receipt["outputs"][NAME] = dict(entry)
-    receipt["amended"] = NOTE
+    notes = [n for n in receipt.get("amended", "").split("\n") if n and "amend_template" not in n]
+    receipt["amended"] = "\n".join([NOTE] + notes)
     receipt_path.write_text(json.dumps(receipt, indent=2) + "\n")
     print(f"{receipt_path}: {NAME} {entry['sha256'][:12]}, {entry['size']} bytes")
 

@@ -247,7 +247,8 @@ def run_bench(args: argparse.Namespace) -> int:
 # serve
 
 
-SERVE_HELP = "an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)"
+SERVE_HELP = ("an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, "
+              "/v1/completions, /v1/responses, /v1/messages)")
 
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,6 +258,10 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_at_least(0, 65535), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another name /v1/models lists for the model (a client that checks "
+                        "its model name there finds it; any name a request gives is answered "
+                        "anyway); repeatable")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
                    help="requests that may wait while one generates; more get HTTP 503 "
                         "(default 16)")
@@ -426,7 +431,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(banner(engine.pair, names[0], sock, defaults), file=sys.stderr, flush=True)
         serve(engine, names, sock, args.api_key,
               dict(defaults, num_draft=args.num_draft, speculative=args.speculative),
-              exposure, limits)
+              exposure, limits, args.alias)
     except KeyboardInterrupt:
         print("mlx-dspark serve: interrupted", file=sys.stderr)
         code = 130

@@ -11,13 +11,10 @@ import uuid
 from dataclasses import dataclass
 
 from ..text import tools
+from . import fields
 from .answer import Answer
 from .errors import ApiError
 from .openai import ToolUse, _get, stop_strings
-
-# The fields /v1/messages honours; any other set field is a 400 naming it.
-FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
-          "top_p", "top_k", "stream", "tools", "tool_choice", "thinking"}
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -32,14 +29,12 @@ class MessagesRequest:
     prefill: str = ""           # the reply's start: a last assistant message, continued
 
 
-def read(body: dict) -> MessagesRequest:
-    """A /v1/messages body checked and read."""
-    for name, value in body.items():
-        if value is not None and name not in FIELDS:
-            raise ApiError(f"'{name}' is not supported by this server; it honours "
-                           f"{', '.join(sorted(FIELDS))}", name)
+def read(body: dict, count: bool = False) -> MessagesRequest:
+    """A /v1/messages body checked and read (``count``: a count_tokens body, which needs no
+    ``max_tokens``)."""
+    fields.check(body, "count_tokens" if count else "messages")
     max_tokens = _get(body, "max_tokens", (int,), lambda n: n >= 1, "at least 1")
-    if max_tokens is None:
+    if max_tokens is None and not count:
         raise ApiError("'max_tokens' is required", "max_tokens")
     num = (int, float)
     temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 1, "between 0 and 1")
@@ -75,40 +70,60 @@ def _prefill(messages: list[dict]) -> str:
 
 def _thinking(body: dict) -> tuple[dict, int | None]:
     """``thinking: {"type": "enabled", "budget_tokens": N}`` turns thinking on with that
-    budget; without it (or ``"disabled"``) the model does not think, as Anthropic's API."""
+    budget; ``{"type": "adaptive"}`` turns it on with the budget of ``output_config.effort``
+    (fields.EFFORT_BUDGETS; none without an effort); without it (or ``"disabled"``) the
+    model does not think, as Anthropic's API."""
     thinking = _get(body, "thinking", (dict,))
+    config = _get(body, "output_config", (dict,)) or {}
+    extra = sorted(set(config) - {"effort"})
+    if extra:
+        raise ApiError(f"'output_config.{extra[0]}' is not supported (only 'effort')",
+                       f"output_config.{extra[0]}", "unsupported_parameter")
+    effort = config.get("effort")
+    _, by_effort = fields.effort_budget(effort, "output_config.effort") \
+        if effort is not None else (True, None)
     if thinking is None or thinking.get("type") == "disabled":
         return {"enable_thinking": False}, None
+    if thinking.get("type") == "adaptive":
+        return {"enable_thinking": True}, by_effort
     budget = thinking.get("budget_tokens")
     if thinking.get("type") != "enabled" or not isinstance(budget, int) \
             or isinstance(budget, bool) or budget < 0:
-        raise ApiError("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N >= 0} "
-                       "or {\"type\": \"disabled\"}", "thinking")
+        raise ApiError("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N >= 0}, "
+                       "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", "thinking")
     return {"enable_thinking": True}, budget
 
 
+BILLING = "x-anthropic-billing-header:"
+
+
 def _system(system) -> str:
+    """The system prompt: a string, or text blocks joined. A block of Claude Code's billing
+    attribution (``x-anthropic-billing-header: cc_version=…``, whose suffix changes with each
+    session's first prompt) is left out: it is meant for Anthropic's billing, not for the
+    model, and at the head of the prompt it would defeat prefix reuse across sessions."""
     if system is None or isinstance(system, str):
-        return system or ""
+        return "" if system is None or system.startswith(BILLING) else system
     if isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text"
                                         and isinstance(b.get("text"), str) for b in system):
-        return "".join(b["text"] for b in system)
+        return "".join(b["text"] for b in system if not b["text"].startswith(BILLING))
     raise ApiError("'system' must be a string or a list of text blocks", "system")
 
 
 def _messages(messages) -> list[dict]:
-    """Anthropic turns -> template messages: text blocks join into the turn's text, an
-    assistant's ``tool_use`` blocks become its tool calls, a user's ``tool_result`` blocks
-    become tool messages; earlier ``thinking`` blocks are dropped (the template keeps only
-    past answers)."""
+    """Anthropic turns -> template messages: text blocks (and documents with a text source)
+    join into the turn's text, an assistant's ``tool_use`` blocks become its tool calls, a
+    user's ``tool_result`` blocks become tool messages; earlier ``thinking`` blocks are
+    dropped (the template keeps only past answers); a ``system`` turn in the middle of the
+    conversation stays a system message where it is, for the template to render."""
     if not messages:
         raise ApiError("'messages' must be a non-empty array of messages", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(f"'{where}' must be an object with role 'user' or 'assistant'",
-                           where)
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise ApiError(f"'{where}' must be an object with role 'user', 'assistant' or "
+                           f"'system'", where)
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
@@ -118,8 +133,8 @@ def _messages(messages) -> list[dict]:
         for j, b in enumerate(blocks):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}.content.{j}"
-            if kind == "text" and isinstance(b.get("text"), str):
-                text.append(b["text"])
+            if kind in ("text", "document"):
+                text.append(_text(b, at))
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue
             elif kind == "tool_use" and m["role"] == "assistant" \
@@ -130,16 +145,36 @@ def _messages(messages) -> list[dict]:
                 results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                                 "content": _result_text(b.get("content"), at)})
             else:
-                raise ApiError(f"'{at}': this server reads text, tool_use (assistant) and "
-                               f"tool_result (user) blocks", at)
+                raise ApiError(f"'{at}': this server reads text, document (text source), "
+                               f"tool_use (assistant) and tool_result (user) blocks; this "
+                               f"model reads text only", at)
         if m["role"] == "assistant":
             out.append({"role": "assistant", "content": "".join(text),
                         **({"tool_calls": calls} if calls else {})})
         else:
             out += results
             if text or not results:
-                out.append({"role": "user", "content": "".join(text)})
+                out.append({"role": m["role"], "content": "".join(text)})
     return out
+
+
+def _text(block: dict, where: str) -> str:
+    """A text block's text, or a document's (a ``text`` source, or a ``content`` source of
+    text blocks), flattened after its title and context."""
+    if block["type"] == "text":
+        if not isinstance(block.get("text"), str):
+            raise ApiError(f"'{where}.text' must be a string", f"{where}.text")
+        return block["text"]
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), (str, list)):
+        body = _result_text(source["content"], f"{where}.source")
+    else:
+        raise ApiError(f"'{where}': a document must have a text source ({{\"type\": \"text\", "
+                       f"\"data\": ...}} or text content); this model reads text only", where)
+    head = [f"{k}: {block[k]}" for k in ("title", "context") if isinstance(block.get(k), str)]
+    return "\n".join(head + [body])
 
 
 def _result_text(content, where: str) -> str:
@@ -152,30 +187,36 @@ def _result_text(content, where: str) -> str:
 
 
 def _tools(body: dict) -> ToolUse:
-    defs = _get(body, "tools", (list,))
-    for j, t in enumerate(defs or []):
+    """``tools`` and ``tool_choice``. Tools of Anthropic's own kinds (a ``type`` such as
+    ``web_search_20250305`` or ``bash_20250124``: run by Anthropic, or with a schema only its
+    models know) are not offered to the model; a ``tool_choice`` naming one is a 400.
+    ``disable_parallel_tool_use``: one call (by grammar when forced, else the reply ends
+    after its first call)."""
+    given = _get(body, "tools", (list,)) or []
+    for j, t in enumerate(given):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
                 or not isinstance(t.get("input_schema", {}), dict):
             raise ApiError(f"'tools.{j}' must be {{\"name\": ..., \"input_schema\": {{...}}}}",
                            f"tools.{j}")
+    defs = [t for t in given if t.get("type") in (None, "custom")]
     choice = _get(body, "tool_choice", (dict,)) or {"type": "auto"}
     kind = choice.get("type")
+    if kind == "tool" and choice.get("name") in {t["name"] for t in given} - \
+            {t["name"] for t in defs}:
+        raise ApiError(f"'tool_choice' names {choice['name']!r}, a tool of Anthropic's that "
+                       f"this server does not offer to the model", "tool_choice")
     if not defs or kind == "none":
         if kind not in ("auto", "none"):
             raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
         return ToolUse()
     single = bool(choice.get("disable_parallel_tool_use"))
-    if single and kind not in ("any", "tool"):
-        raise ApiError("'tool_choice.disable_parallel_tool_use' needs a forced tool_choice "
-                       "(any or tool), whose calls a grammar holds to one",
-                       "tool_choice.disable_parallel_tool_use")
     openai = [{"type": "function", "function": {"name": t["name"],
                                                 "description": t.get("description", ""),
                                                 "parameters": t.get("input_schema") or {}}}
               for t in defs]
     names = tools.schemas(openai)
     if kind == "auto":
-        return ToolUse(openai, names)
+        return ToolUse(openai, names, parallel=not single)
     if kind == "any":
         return ToolUse(openai, names, tools.START + "\n", not single)
     if kind == "tool" and choice.get("name") in names:
@@ -191,14 +232,17 @@ class MessageReply:
     def __init__(self, model: str, use: ToolUse, prompt_tokens: int):
         self.model, self.prompt_tokens = model, prompt_tokens
         self.id = "msg_" + uuid.uuid4().hex[:24]
-        self.answer = Answer(use.functions, use.prefill)
+        self.answer = Answer.of(use)
+        self.reused = 0          # prompt tokens continued from a snapshot (engine's "started")
         self.stop_sequence = None
         self.block = None        # (index, kind) of the block being streamed
         self.blocks = 0
 
     def add(self, chunk) -> list:
-        if chunk.finish_reason is not None and chunk.stop_string is not None:
+        if chunk.finish_reason is not None and chunk.stop_string is not None \
+                and not self.answer.ours(chunk):
             self.stop_sequence = chunk.stop_string
+        self.reused = chunk.stats.reused_tokens
         return self.answer.add(chunk)
 
     @property
@@ -208,9 +252,11 @@ class MessageReply:
         return STOP_REASONS[self.answer.finish_reason]
 
     def usage(self) -> dict:
-        stats = self.answer.stats
-        return {"input_tokens": self.prompt_tokens, "output_tokens": self.answer.tokens,
-                "cache_read_input_tokens": stats.reused_tokens if stats else 0}
+        """Anthropic's usage: ``input_tokens`` are the prompt tokens prefilled, the ones
+        continued from a snapshot are ``cache_read_input_tokens`` (as Anthropic counts)."""
+        return {"input_tokens": self.prompt_tokens - self.reused,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.reused,
+                "output_tokens": self.answer.tokens}
 
     def _message(self, content: list) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -258,7 +304,7 @@ class MessageReply:
         out.append(("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": self.stop_reason,
                                                 "stop_sequence": self.stop_sequence},
-                                      "usage": {"output_tokens": self.answer.tokens}}))
+                                      "usage": self.usage()}))
         out.append(("message_stop", {"type": "message_stop"}))
         return out
 

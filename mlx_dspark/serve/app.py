@@ -2,8 +2,9 @@
 (docs/serve.md).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when asked), ``POST /v1/messages`` (Anthropic), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``.
+events when asked), ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic),
+``POST /v1/responses`` (OpenAI's Responses API), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health``.
 
 Handlers only parse (openai.py, anthropic.py), tokenize, queue and relay: the :class:`Engine` thread
 (engine.py) runs the generations, and a token reaches the client through an asyncio queue as
@@ -31,15 +32,16 @@ from .. import api, open_files
 from ..decode.grammar_limits import GrammarBusy
 from ..request import RequestError as RequestValueError
 from ..text.tokenizer import chat_ids, message_boundaries, prompt_ids
-from . import anthropic, errors, logprobs
+from . import anthropic, errors, fields, logprobs, responses
+from .answer import one_call_stops
 from .connections import Limits
 from .engine import Engine, Job, log
 from .http_guard import Exposure, HttpGuard
-from .errors import ApiError
+from .errors import ApiError, ContextExceeded
 from .openai import (COMPLETIONS_MAX_TOKENS, Params, Reply, ToolUse, _sse, chat_messages,
-                     check_fields, check_model, completion_prompt, constraint_options,
-                     logprobs_request, parse_body, sampling_options, stream_flags, text_chars,
-                     thinking_options, tool_use, _get, model_object)
+                     check_model, completion_prompt, constraint_options, logprobs_request,
+                     parse_body, sampling_options, stream_flags, text_chars, thinking_options,
+                     tool_use, _get, model_object)
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 FILES_RESERVED = 64     # descriptors kept for files the process opens later (snapshots, logs)
@@ -49,7 +51,8 @@ KEEPALIVE_SECONDS = 10.0    # the longest silence on a stream (queued, or a long
 
 
 async def _events(engine: Engine, job: Job, keepalive: bool = False):
-    """(kind, item) pairs of a job until its final chunk or an error; with ``keepalive``, a
+    """(kind, item) pairs of a job until its final chunk or an error (``("started",
+    reused)`` first, when it leaves the queue); with ``keepalive``, a
     ``("keepalive", position)`` after each KEEPALIVE_SECONDS without one (``position`` in
     the queue, None once running). Leaving early (the client went away) cancels the job: a
     waiting one leaves the queue at once, a running one stops at its next token."""
@@ -87,9 +90,12 @@ async def _cancelled_on_disconnect(request: Request, engine: Engine, job: Job):
 
 
 def create_app(engine: Engine, model_id, api_key: str | None = None,
-               defaults: dict | None = None, exposure: Exposure | None = None) -> Starlette:
+               defaults: dict | None = None, exposure: Exposure | None = None,
+               aliases=()) -> Starlette:
     """The ASGI app; ``engine`` must be started (its pair loaded). ``model_id``: the id it
-    serves, or a list of the names it answers to (the id first). ``defaults``: the server's
+    serves, or a list of its names (the id first); any model name a request gives is
+    answered by it, and the reply carries that name. ``aliases``: more names ``/v1/models``
+    lists (``serve --alias``). ``defaults``: the server's
     ``num_draft`` and ``speculative`` for every request, and the defaults of fields a request
     may leave out (``temperature``, ``top_p``, ``top_k``, ``max_tokens``,
     ``chat_template_kwargs``). ``exposure``: who may reach it (serve/http_guard.py; default: this
@@ -123,8 +129,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
     async def read(request: Request, kind: str) -> Params:
         authorize(request)
         body = parse_body(await request.body())
-        check_fields(body, kind)
-        check_model(body, model_ids)
+        fields.check(body, kind)
+        name = check_model(body, model_ids)
         stream, include_usage = stream_flags(body)
         options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
                                    defaults)
@@ -134,6 +140,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             template, budget = thinking_options(body, template_defaults)
             ids = await encode(messages, template, use)
             boundaries = await checkpoints(messages, template, use, ids)
+            options["stop"] = options["stop"] + one_call_stops(use)
         else:
             prompt = completion_prompt(body, vocab)
             ids = prompt if isinstance(prompt, list) else await encode(prompt)
@@ -144,7 +151,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             # included: the completions shape has no other place for them
             generation = dataclasses.replace(generation, thinking=None)
         params = Params(generation, stream, include_usage, use, logprobs_request(body, kind))
-        return params, boundaries, cache_space(request, body)
+        return params, boundaries, cache_space(request, body), name
 
     async def encode(prompt, template=None, use: ToolUse | None = None,
                      prefill: str = "") -> list[int]:
@@ -155,9 +162,9 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         chars = len(prompt) if isinstance(prompt, str) else \
             text_chars(prompt, template, use.tools, prefill)
         if limit is not None and chars > limit * longest:
-            raise ApiError(f"the prompt has {chars} characters, more than this model's "
-                           f"context of {limit} tokens can hold", where,
-                           "context_length_exceeded")
+            raise ContextExceeded(f"the prompt has {chars} characters, more than this model's "
+                                  f"context of {limit} tokens can hold", where,
+                                  chars // longest, limit)
         try:
             async with encoders:
                 if template is None:
@@ -189,9 +196,9 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         (grammar_limits.compiled bounds the compilation itself)."""
         if limit is not None:
             if len(ids) >= limit:
-                raise ApiError(f"the prompt has {len(ids)} tokens; this model's context "
-                               f"limit is {limit}, leaving no room for an answer", where,
-                               "context_length_exceeded")
+                raise ContextExceeded(f"the prompt has {len(ids)} tokens; this model's context "
+                                      f"limit is {limit}, leaving no room for an answer", where,
+                                      len(ids), limit)
             options["max_tokens"] = min(options["max_tokens"] or limit, limit - len(ids))
         options["max_tokens"] = options["max_tokens"] or UNLIMITED
 
@@ -207,14 +214,16 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                 from None
 
     async def complete(request: Request, kind: str):
-        params, boundaries, space = await read(request, kind)
+        params, boundaries, space, name = await read(request, kind)
         job = Job(params.request, asyncio.get_running_loop(), params.logprobs,
                   boundaries=boundaries, space=space)
         engine.submit(job)
-        reply = Reply(kind, model_id, params.tools.functions, params.tools.prefill)
+        reply = Reply(kind, name, params.tools)
         if not params.stream:
             async with _cancelled_on_disconnect(request, engine, job):
                 async for what, item in _events(engine, job):
+                    if what == "started":
+                        continue
                     if what == "error":
                         raise ApiError.of_failure(item)
                     if what == "logprobs":
@@ -227,7 +236,9 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             first = True      # the role piece goes out with the first token, not before
             async for what, item in _events(engine, job, keepalive=True):
                 if what == "keepalive":     # an SSE comment, which clients skip
-                    yield f": queued, position {item}\n\n" if item else ": running\n\n"
+                    yield keepalive_comment(item)
+                    continue
+                if what == "started":
                     continue
                 if first and what == "chunk":
                     yield _sse(reply.first_piece())
@@ -249,50 +260,111 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def anthropic_key(request: Request):
+        if api_key is not None:
+            given = request.headers.get("x-api-key") or \
+                request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode("latin-1"), api_key.encode()):
+                raise ApiError("missing or wrong API key (send 'x-api-key: KEY')", status=401)
+
     async def messages(request: Request):
         """POST /v1/messages (Anthropic): the same engine, Anthropic's shapes and errors."""
         try:
-            if api_key is not None:
-                given = request.headers.get("x-api-key") or \
-                    request.headers.get("authorization", "").removeprefix("Bearer ")
-                if not hmac.compare_digest(given.encode("latin-1"), api_key.encode()):
-                    raise ApiError("missing or wrong API key (send 'x-api-key: KEY')",
-                                   status=401)
+            anthropic_key(request)
             body = parse_body(await request.body())
-            check_model(body, model_ids)
+            name = check_model(body, model_ids)
             m = anthropic.read(body)
             ids = await encode(m.messages, m.template, m.use, m.prefill)
-            params = await make_request(ids, dict(m.options), m.budget, "messages",
+            options = dict(m.options, stop=m.options["stop"] + one_call_stops(m.use))
+            params = await make_request(ids, options, m.budget, "messages",
                                         lambda: constraint_options({}, m.use))  # forced calls
             stream = bool(_get(body, "stream", (bool,)))
-            job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}))
+            job = Job(params, asyncio.get_running_loop(), space=cache_space(request, {}),
+                      boundaries=await checkpoints(m.messages, m.template, m.use, ids))
             engine.submit(job)
         except ApiError as e:
             return errors.response(e, request.url.path)
-        reply = anthropic.MessageReply(model_id, m.use, len(ids))
+        reply = anthropic.MessageReply(name, m.use, len(ids))
         if not stream:
             async with _cancelled_on_disconnect(request, engine, job):
                 async for what, item in _events(engine, job):
                     if what == "error":
                         return errors.response(ApiError.of_failure(item), request.url.path)
-                    reply.add(item)
+                    if what == "chunk":
+                        reply.add(item)
             return JSONResponse(reply.whole())
 
         async def events():
-            for name, data in reply.start():
-                yield anthropic.sse(name, data)
-            async for what, item in _events(engine, job, keepalive=True):
+            started = False     # message_start: once the prefix is restored (its usage then
+            async for what, item in _events(engine, job, keepalive=True):   # known), or at
+                if not started and what != "error":                          # the first ping
+                    reply.reused = item if what == "started" else 0
+                    started = True
+                    for event, data in reply.start():
+                        yield anthropic.sse(event, data)
+                if what == "started":
+                    continue
                 if what == "keepalive":
                     yield anthropic.sse("ping", anthropic.ping(item))
                     continue
                 if what == "error":
                     yield anthropic.sse("error", errors.anthropic_body(ApiError.of_failure(item)))
                     return
-                for name, data in reply.events(reply.add(item)):
-                    yield anthropic.sse(name, data)
+                for event, data in reply.events(reply.add(item)):
+                    yield anthropic.sse(event, data)
                 if item.finish_reason is not None:
-                    for name, data in reply.end():
-                        yield anthropic.sse(name, data)
+                    for event, data in reply.end():
+                        yield anthropic.sse(event, data)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def count_tokens(request: Request):
+        """POST /v1/messages/count_tokens (Anthropic): the prompt's exact token count."""
+        try:
+            anthropic_key(request)
+            m = anthropic.read(parse_body(await request.body()), count=True)
+            ids = await encode(m.messages, m.template, m.use, m.prefill)
+        except ApiError as e:
+            return errors.response(e, request.url.path)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def responses_(request: Request):
+        """POST /v1/responses (OpenAI's Responses API, stateless)."""
+        authorize(request)
+        body = parse_body(await request.body())
+        name = check_model(body, model_ids)
+        r = responses.read(body, defaults, template_defaults)
+        ids = await encode(r.messages, r.template, r.use)
+        r.options["stop"] = r.options["stop"] + one_call_stops(r.use)
+        job = Job(await make_request(ids, r.options, r.budget, "input", r.constraints),
+                  asyncio.get_running_loop(), space=cache_space(request, body),
+                  boundaries=await checkpoints(r.messages, r.template, r.use, ids))
+        engine.submit(job)
+        reply = responses.ResponseReply(name, r, len(ids))
+        if not r.stream:
+            async with _cancelled_on_disconnect(request, engine, job):
+                async for what, item in _events(engine, job):
+                    if what == "error":
+                        raise ApiError.of_failure(item)
+                    if what == "chunk":
+                        reply.add(item)
+            return JSONResponse(reply.whole())
+
+        async def events():
+            for event in reply.start():
+                yield anthropic.sse(event["type"], event)
+            async for what, item in _events(engine, job, keepalive=True):
+                if what == "keepalive":
+                    yield keepalive_comment(item)
+                elif what == "error":
+                    yield anthropic.sse("response.failed",
+                                        reply.failed(ApiError.of_failure(item).message))
+                    return
+                elif what == "chunk":
+                    for event in reply.events(reply.add(item)) + \
+                            (reply.end() if item.finish_reason is not None else []):
+                        yield anthropic.sse(event["type"], event)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -304,16 +376,19 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         return await complete(request, "completion")
 
     async def models(request: Request):
+        """The served model, under its id and each ``--alias``, in OpenAI's list shape with
+        Anthropic's paging fields."""
         authorize(request)
-        return JSONResponse({"object": "list", "data": [model_object(model_id)]})
+        names = list(dict.fromkeys([model_id, *aliases]))
+        return JSONResponse({"object": "list", "data": [model_object(n) for n in names],
+                             "has_more": False, "first_id": names[0], "last_id": names[-1]})
 
     async def model(request: Request):
+        """Any name: the served model answers to it (under its id, for the names it was
+        started with)."""
         authorize(request)
         name = request.path_params["name"]
-        if name not in model_ids:
-            raise ApiError(f"model '{name}' is not served here; this server serves "
-                           f"'{model_id}'", "model", "model_not_found", status=404)
-        return JSONResponse(model_object(model_id))
+        return JSONResponse(model_object(model_id if name in model_ids else name))
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, "waiting": engine.waiting,
@@ -337,6 +412,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/messages", messages, methods=["POST"]),
+              Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+              Route("/v1/responses", responses_, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
@@ -349,6 +426,11 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
                      middleware=[Middleware(HttpGuard, exposure=exposure or Exposure())],
                      exception_handlers={ApiError: refused, HTTPException: http_error,
                                          Exception: crashed})
+
+
+def keepalive_comment(position: int | None) -> str:
+    """An SSE comment (clients skip it) that keeps a waiting OpenAI stream alive."""
+    return f": queued, position {position}\n\n" if position else ": running\n\n"
 
 
 def cache_space(request: Request, body: dict) -> str:
@@ -384,7 +466,7 @@ def listen(host: str, port: int):
 
 def serve(engine: Engine, model_id, sock, api_key: str | None,
           defaults: dict | None = None, exposure: Exposure | None = None,
-          limits: Limits | None = None):
+          limits: Limits | None = None, aliases=()):
     """Run on the bound ``sock`` (:func:`listen`) until Ctrl-C or SIGTERM: the generation in
     flight stops at its next token, every open request ends with an error event, uvicorn
     closes the connections and the engine thread ends."""
@@ -414,7 +496,7 @@ def serve(engine: Engine, model_id, sock, api_key: str | None,
             await super().serve(sockets)
 
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, exposure),
+    config = uvicorn.Config(create_app(engine, model_id, api_key, defaults, exposure, aliases),
                             host=host, port=port, http=guarded,
                             limit_concurrency=limits.max_connections + 1,
                             # asyncio accepts up to a backlog of connections before any of

@@ -31,7 +31,8 @@ CANCELLED = "the request was cancelled (its client went away)"
 
 @dataclass(eq=False)          # a job is itself: the queue finds it by identity
 class Job:
-    """One request on its way through the engine; chunks (or an error) come back on ``out``."""
+    """One request on its way through the engine; on ``out`` come ``("started", reused
+    prompt tokens)`` when it leaves the queue, then its chunks (or an error)."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
@@ -184,11 +185,11 @@ class Engine:
     def _run(self, job: Job):
         session, cache = self.session, self.cache
         if cache is not None:
-            stream = cache.through(session, lambda s: api.stream(self.pair, job.request, s),
+            stream = cache.through(session, lambda s: self._generation(job, s),
                                    job.request.prompt, job.boundaries, job.space)
         else:
             session.reset()
-            stream = api.stream(self.pair, job.request, session)
+            stream = self._generation(job, session)
         tokens = []
         try:
             for chunk in stream:
@@ -204,5 +205,36 @@ class Engine:
                     break
             else:
                 self.served += 1
+        except _Left:                         # between two prefill pieces; the pieces done
+            self.cancelled += 1               # stay, for a retry to continue from
+            job.emit("error", CANCELLED)
         finally:
             stream.close()      # the prompt cache remembers prompt and answer: the next turn
+
+    def _generation(self, job: Job, session: Session):
+        """The job's generation on ``session``, its prefix restored: the client hears how
+        much was (``"started"``), and a cancelled job stops its prefill at the next piece."""
+        job.emit("started", len(session.tokens))
+        if self.cache is None:
+            session.on_checkpoint = None
+        _stop_between_pieces(session, job)
+        return api.stream(self.pair, job.request, session)
+
+
+class _Left(Exception):
+    """The job was cancelled (its client left, or the server stops) during its prefill."""
+
+
+def _stop_between_pieces(session: Session, job: Job):
+    """Make the prefill stop at its next piece once ``job`` is cancelled: the prompt cache
+    cuts a prefill at message ends and every CHECKPOINT_EVERY tokens (cache.start planned
+    them), so a client that leaves a long prompt frees the engine within one piece; the
+    pieces done are remembered first, for a retry to continue from."""
+    checkpoint = session.on_checkpoint
+
+    def between_pieces(s):
+        if checkpoint is not None:
+            checkpoint(s)
+        if job.cancelled.is_set():
+            raise _Left
+    session.on_checkpoint = between_pieces

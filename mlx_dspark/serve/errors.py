@@ -31,13 +31,27 @@ class ApiError(Exception):
                                                             type="server_error")
 
 
+class ContextExceeded(ApiError):
+    """A prompt that leaves no room in the context: ``tokens`` (or at least that many)
+    against the context ``limit``."""
+
+    def __init__(self, message: str, param: str, tokens: int, limit: int):
+        super().__init__(message, param, "context_length_exceeded")
+        self.tokens, self.limit = tokens, limit
+
+
 def openai_body(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
 
 def anthropic_body(e: ApiError) -> dict:
+    """Anthropic's error object; a prompt over the context in Anthropic's own words first
+    ("prompt is too long: N tokens > M maximum", N a lower bound when the prompt's characters
+    alone are too many), which Claude Code reads to compact and retry."""
     kind = ANTHROPIC_TYPES.get(e.status, "invalid_request_error")
     message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    if isinstance(e, ContextExceeded):
+        message = f"prompt is too long: {e.tokens} tokens > {e.limit - 1} maximum ({e.message})"
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 

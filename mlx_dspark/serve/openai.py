@@ -23,32 +23,6 @@ MAX_STOP_CHARS = 1000           # per stop string (held back while it may be for
 MAX_TOP_LOGPROBS = 20           # as OpenAI
 MAX_DEPTH = 32                  # JSON nesting: chat needs 4, tools add their schemas' depth
 
-# Every field each endpoint honours (docs/serve.md lists them); any other field that is set
-# (not null) is refused with a 400 naming it, so no request is silently served as something
-# it did not ask for.
-SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                   "stream", "stream_options", "frequency_penalty", "presence_penalty"}
-FIELDS = {
-    "chat": SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs",
-                               "reasoning_effort", "thinking_token_budget", "tools",
-                               "tool_choice", "parallel_tool_calls", "logprobs",
-                               "top_logprobs", "cache_salt", "response_format"},
-    "completion": SAMPLING_FIELDS | {"prompt", "logprobs", "cache_salt", "response_format"},
-}
-
-
-def check_fields(body: dict, kind: str):
-    """Refuse the first set field the endpoint does not honour."""
-    for name, value in body.items():
-        if value is None:
-            continue
-        if name not in FIELDS[kind]:
-            raise ApiError(f"'{name}' is not supported by this server; it honours "
-                           f"{', '.join(sorted(FIELDS[kind]))}", name, "unsupported_parameter")
-        if name in ("frequency_penalty", "presence_penalty") and value != 0:
-            raise ApiError(f"'{name}' must be 0 (penalties are not supported)", name,
-                           "unsupported_parameter")
-
 
 # ---------------------------------------------------------------------------------------------
 # Requests
@@ -263,14 +237,16 @@ class ToolUse:
     tools: list | None = None
     functions: dict | None = None
     prefill: str = ""
-    parallel: bool = True        # a forced reply may hold several calls
+    parallel: bool = True        # the reply may hold several calls
 
 
 def tool_use(body: dict) -> ToolUse:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` read and checked. "auto" (the
     default with tools): the model may call; "none": the tools are not shown; "required" and
     a named function: the reply starts with the opening of a call (the prompt's prefill)
-    and the rest is held to well-formed calls by grammar (:func:`constraint_options`)."""
+    and the rest is held to well-formed calls by grammar (:func:`constraint_options`).
+    ``parallel_tool_calls: false``: a forced reply's grammar allows one call; on "auto" the
+    reply ends after its first complete call (answer.one_call_stops)."""
     defs = _get(body, "tools", (list,))
     for j, t in enumerate(defs or []):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
@@ -281,17 +257,13 @@ def tool_use(body: dict) -> ToolUse:
     parallel = _get(body, "parallel_tool_calls", (bool,)) is not False
     choice = body.get("tool_choice")
     choice = "auto" if choice is None else choice
-    if not parallel and not (choice == "required" or isinstance(choice, dict)):
-        raise ApiError("'parallel_tool_calls': false needs a forced 'tool_choice' (\"required\" "
-                       "or a named function), whose calls a grammar holds to one",
-                       "parallel_tool_calls", "unsupported_parameter")
     names = tools.schemas(defs)
     if choice == "none" or not defs:
         if choice not in ("none", "auto"):
             raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
         return ToolUse()
     if choice == "auto":
-        return ToolUse(defs, names)
+        return ToolUse(defs, names, parallel=parallel)
     if choice == "required":
         return ToolUse(defs, names, tools.START + "\n", parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
@@ -308,8 +280,9 @@ def tool_use(body: dict) -> ToolUse:
 
 def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
     """Chat template variables (the server's ``--chat-template-args``, then the request's
-    ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off) and the
-    thinking budget."""
+    ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off, another level
+    turns it on) and the thinking budget (``thinking_token_budget``, else the effort's,
+    fields.EFFORT_BUDGETS)."""
     options = dict(defaults)
     variables = _get(body, "chat_template_kwargs", (dict,)) or {}
     try:
@@ -317,15 +290,14 @@ def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
     except RequestError as e:
         raise ApiError(str(e), e.param) from None
     options.update(variables)
+    from .fields import effort_budget
     effort = _get(body, "reasoning_effort", (str,))
-    if effort is not None:
-        if effort != "none":
-            raise ApiError(f"'reasoning_effort' {effort!r} is not supported: 'none' turns "
-                           f"thinking off; cap it with 'thinking_token_budget'",
-                           "reasoning_effort", "unsupported_parameter")
-        options["enable_thinking"] = False
-    budget = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
-    return options, budget
+    budget = None
+    if effort is not None:      # an effort level: thinking on with its budget, or off
+        on, budget = effort_budget(effort, "reasoning_effort")
+        options["enable_thinking"] = on
+    given = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
+    return options, given if given is not None else budget
 
 
 def logprobs_request(body: dict, kind: str) -> int | None:
@@ -358,17 +330,19 @@ def completion_prompt(body: dict, vocab: int):
                        "(one prompt per request)", "prompt")
 
 
-def check_model(body: dict, model_ids):
-    """``model`` absent, or one of the names the server answers to (``model_ids``: its id
-    first, then the name, path or repo id it was started with)."""
+def check_model(body: dict, model_ids) -> str:
+    """The name the reply carries: the ``model`` the request asks for (any name: the one
+    served model answers it, ``claude-*`` and ``gpt-*`` included), else the server's id
+    (``model_ids[0]``)."""
     model = _get(body, "model", (str,))
-    if model is not None and model not in model_ids:
-        raise ApiError(f"model '{model}' is not served here; this server serves "
-                       f"'{model_ids[0]}'", "model", "model_not_found")
+    return model or model_ids[0]
 
 
 def model_object(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark"}
+    """A model as ``/v1/models`` lists it: OpenAI's fields and Anthropic's (``type``,
+    ``display_name``, ``created_at``), so clients of either API read it."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark",
+            "type": "model", "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -389,12 +363,11 @@ class Reply:
     """Accumulates the chunks of one generation into OpenAI response objects: the thinking
     as ``reasoning_content``, the text as ``content``, the calls as ``tool_calls``."""
 
-    def __init__(self, kind: str, model: str, functions: dict | None = None,
-                 prefill: str = ""):
+    def __init__(self, kind: str, model: str, use: "ToolUse | None" = None):
         self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.answer = Answer(functions, prefill)
+        self.answer = Answer.of(use or ToolUse())
         self.logprobs = None        # set by the engine's scores, when asked for
 
     def add(self, chunk) -> list:

@@ -17,6 +17,18 @@ import mlx.core as mx
 @dataclass
 class _Config:
     vocab_size: int
+    hybrid_override_pattern: str = ""       # no layers: a snapshot holds no layer state
+
+
+class ScriptedState(tuple):
+    """A snapshot of a :class:`ScriptedCache` as a session checks one (positions, no
+    layers), carrying the tokens and the reply (a copy: a prompt cache restores it into any
+    other state)."""
+
+    def __new__(cls, tokens, start: int, reply: tuple):
+        state = super().__new__(cls, (len(tokens), ()))
+        state.scripted = (tuple(tokens), start, reply)
+        return state
 
 
 @dataclass
@@ -32,11 +44,12 @@ class ScriptedCache:
         n, self.start, self.reply = mark
         del self.tokens[n:]
 
-    def snapshot(self):
-        return self.mark()
+    def snapshot(self) -> ScriptedState:
+        return ScriptedState(self.tokens, self.start, self.reply)
 
-    def restore(self, state):
-        self.rewind(state)
+    def restore(self, state: ScriptedState):
+        tokens, self.start, self.reply = state.scripted
+        self.tokens = list(tokens)
 
     def arrays(self):
         return []
@@ -70,19 +83,24 @@ class ScriptedTarget:
 
 def by_tool_results(tokenizer, replies: list[str]):
     """A ``choose`` for an agent's turns: the reply after k tool results is ``replies[k]``
-    (the last one once they run out)."""
-    encoded = [tokenizer.encode(r, add_special_tokens=False) for r in replies]
+    (the last one once they run out). A reply without ``</think>`` to a prompt that opens a
+    thinking block (a client that asks for thinking) thinks one line first."""
+    from ..text import reasoning
 
     def choose(prompt_ids):
-        k = tokenizer.decode(prompt_ids).count("<tool_response>")
-        return encoded[min(k, len(encoded) - 1)]
+        text = tokenizer.decode(prompt_ids)
+        reply = replies[min(text.count("<tool_response>"), len(replies) - 1)]
+        if reasoning.opens_thinking(text[-64:]) and reasoning.CLOSE not in reply:
+            reply = "Thinking it over." + reasoning.END + reply
+        return tokenizer.encode(reply, add_special_tokens=False)
     return choose
 
 
 def main(argv=None):
-    """``python -m mlx_dspark.testing.scripted REPLIES.json --port N [serve flags]``: a real
-    server whose target writes the replies of REPLIES.json (a list of strings, chosen by
-    how many tool results the prompt holds), with the demo pair's tokenizer."""
+    """``python -m mlx_dspark.testing.scripted REPLIES.json --port N [--api-key K]
+    [--prefix-cache-mb MB]``: a real server whose target writes the replies of REPLIES.json
+    (a list of strings, chosen by how many tool results the prompt holds), with the demo
+    pair's tokenizer."""
     import argparse
     import json
     from pathlib import Path
@@ -96,6 +114,8 @@ def main(argv=None):
     p.add_argument("replies", type=Path)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--api-key")
+    p.add_argument("--prefix-cache-mb", type=int, default=0,
+                   help="memory for prompt-cache snapshots (default 0: none)")
     args = p.parse_args(argv)
     replies = json.loads(args.replies.read_text())
 
@@ -105,7 +125,8 @@ def main(argv=None):
                                 tokenizer.eos_token_id)
         return api.Pair(target, None, tokenizer)
 
-    engine = Engine(load, max_queue=4, cache_bytes=0, use_drafter=False)
+    engine = Engine(load, max_queue=4, cache_bytes=args.prefix_cache_mb << 20,
+                    use_drafter=False)
     engine.start()
     try:
         serve(engine, "scripted", listen("127.0.0.1", args.port), args.api_key)

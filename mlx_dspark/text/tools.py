@@ -176,9 +176,15 @@ class Stream:
             self.buffer = ready[len(shown):] + self.buffer[len(ready):]
             return [p for p in out if p]
 
-    def finish(self) -> list:
-        """The rest at the end of the answer: an unfinished block is text."""
-        rest = (self.gap + START if self.in_call else "") + self.buffer
+    def finish(self, cut: bool = False) -> list:
+        """The rest at the end of the answer: an unfinished block is text, unless the answer
+        was ``cut`` off (by a token limit): then the block it was cut in, or the start of
+        one, is dropped, never shown as text."""
+        if cut:
+            rest = "" if self.in_call else \
+                self.buffer[:len(self.buffer) - partial_tag(self.buffer, START)]
+        else:
+            rest = (self.gap + START if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
         text = self._text(rest)
         return [text] if text else []
