@@ -72,7 +72,7 @@ def claude_turns(claude: Path) -> dict:
     the usage of each API call, from ``--output-format stream-json``."""
     proc, url = scripted([CALL.format(name="Bash", key="command"), ANSWER], cache_mb=256)
     home, work = workdir()
-    env = dict(os.environ, HOME=str(home), ANTHROPIC_BASE_URL=url,
+    env = dict(os.environ, HOME=str(home), PWD=str(work), ANTHROPIC_BASE_URL=url,
                ANTHROPIC_API_KEY="sk-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
     out = {}
     try:
@@ -106,7 +106,8 @@ def codex_turn(codex: Path) -> dict:
         'model = "gpt-5.5"\nmodel_provider = "dspark"\n\n[model_providers.dspark]\n'
         f'name = "mlx-dspark"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
         'env_key = "DSPARK_API_KEY"\n')
-    env = dict(os.environ, HOME=str(home), CODEX_HOME=str(config), DSPARK_API_KEY="sk-local")
+    env = dict(os.environ, HOME=str(home), PWD=str(work), CODEX_HOME=str(config),
+               DSPARK_API_KEY="sk-local")
     try:
         t0 = time.monotonic()
         r = subprocess.run([codex, "exec", "--skip-git-repo-check", "List the files here"],
@@ -143,7 +144,7 @@ def long_prompt(tokens: int, pings: int) -> dict:
                                 line[7:] == "content_block_start":
                             break
     finally:
-        stop(proc)
+        stop(proc, timeout=600)     # the prefill left stops at its next piece (4096 tokens)
     pings_at = [t for n, t in seen if n == "ping"]
     return {"prompt_tokens": size, "base_tokens": base,
             "first_byte_s": seen[0][1] if seen else None, "first_event": seen[0][0] if seen
@@ -153,11 +154,17 @@ def long_prompt(tokens: int, pings: int) -> dict:
 
 def _padded(http: httpx.Client, body: dict, tokens: int) -> str:
     """Python source that brings ``body``'s prompt to about ``tokens`` tokens."""
-    base = http.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    def count(text):
+        return http.post("/v1/messages/count_tokens", json={**body, "messages": [dict(
+            body["messages"][0], content=[*body["messages"][0]["content"],
+                                          {"type": "text", "text": text}]),
+            *body["messages"][1:]]}).json()["input_tokens"]
     unit = "".join(f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(50))
-    per = http.post("/v1/messages/count_tokens", json={"messages": [
-        {"role": "user", "content": unit}]}).json()["input_tokens"]
-    return unit * max(0, (tokens - base) // max(per, 1))
+    base, text = count(""), ""
+    per = max(1, count(unit) - base)
+    while (n := count(text)) < tokens:
+        text += unit * max(1, (tokens - n) // per)
+    return text
 
 
 def main(argv=None):

@@ -238,6 +238,10 @@ def test_models_list_openai_and_anthropic_fields_and_the_aliases(engine):
         assert m["object"] == "model" and m["type"] == "model"
         assert m["display_name"] == m["id"] and re.match(r"\d{4}-\d\d-\d\dT", m["created_at"])
     assert served.get("/v1/models/claude-opus-4-8").json()["id"] == "claude-opus-4-8"
+    from mlx_dspark import cli
+    args = cli.build_parser().parse_args(["serve", "--alias", "claude-sonnet-4-5",
+                                          "--alias", "gpt-5.5"])
+    assert args.alias == ["claude-sonnet-4-5", "gpt-5.5"]
 
 
 def test_count_tokens_is_the_prompt_a_message_would_have(c, engine, monkeypatch):
