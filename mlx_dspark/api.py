@@ -312,7 +312,7 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None, response_format: dict | None = None,
-                 grammar=None) -> Request:
+                 grammar=None, logprobs: int | None = None) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
     the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer)."""
     strings, ids = split_stops(stop)
@@ -328,7 +328,7 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
                    thinking=thinking_of(pair.tokenizer, prompt),
-                   thinking_token_budget=thinking_token_budget,
+                   thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    grammar=constraint_of(pair, prompt, response_format, grammar))
 
 
@@ -419,6 +419,10 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     warped target (docs/sampling.md). The default is "reproducible" when a ``seed`` is given,
     else "rejection". Greedy decoding is the same in both. The seed used, given or drawn, is
     ``stats.seed``.
+
+    ``logprobs``: score each token under the target's own distribution with this many top
+    alternatives (0..20), read off the rows the generation computed; the last chunk's
+    ``stats.logprobs`` holds ``(token, logprob, [(id, logprob), ...])`` per token.
 
     ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
     _check_call("stream_generate", pair, prompt, options)

@@ -20,6 +20,7 @@ DEFAULT_SCHEME = "rejection"
 SEEDED_SCHEME = "reproducible"
 SEEDS = 1 << 64
 MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
+MAX_LOGPROBS = 20      # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 
 # The API keyword -> the CLI flag that sets it (commands print refusals with the flag).
 FLAGS = {
@@ -105,7 +106,10 @@ class Request:
     drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
     when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.decode.grammar.Grammar`
     bound to the tokenizer (api.make_request binds it) that every emitted token must follow;
-    stop tokens then end a run only where the grammar is complete."""
+    stop tokens then end a run only where the grammar is complete. ``logprobs``: score each
+    emitted token under the target's own distribution (its logits before any warping or
+    mask), with this many top alternatives (0..20), read off the rows the generation computed
+    anyway (``Stats.logprobs``); None: not scored."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256
@@ -122,6 +126,7 @@ class Request:
     thinking: Thinking | None = None
     thinking_token_budget: int | None = None
     vocab_limit: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -165,6 +170,11 @@ class Request:
         if self.thinking is not None and not (self.thinking.end and self.thinking.close):
             raise RequestError("thinking", "thinking needs the closing tag's ids and the ids "
                                            "that end a thinking block")
+        if self.logprobs is not None and (not _integer(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] "
+                                           f"(alternatives per token) or None, not "
+                                           f"{self.logprobs!r}")
         if self.vocab_limit is not None and (not _integer(self.vocab_limit)
                                              or self.vocab_limit < 1):
             raise RequestError("vocab_limit", f"vocab_limit must be an integer >= 1 or None, "

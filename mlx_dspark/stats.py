@@ -51,6 +51,9 @@ class Stats(Mapping):
     generations: int = 1          # how many generations these counts sum (Stats.total)
     sampling: str | None = None   # the scheme of a sampled run (None: greedy)
     seed: int | None = None       # the seed a sampled run used, given or drawn
+    # (token, logprob, [(id, logprob), ...]) per emitted token when the request asks
+    # (Request.logprobs), set with the last token; shared by the snapshots, not printed
+    logprobs: list | None = field(default=None, repr=False)
 
     def snapshot(self) -> "Stats":
         """A copy that later tokens do not change."""

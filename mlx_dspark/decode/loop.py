@@ -98,13 +98,14 @@ def finite(token: int, session: Session) -> int:
 def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool,
                 constraint=UNCONSTRAINED):
     """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
-    the lazy next token and the taps; the caller feeds the token once it has read it."""
+    the lazy next token, the taps and the row it was chosen from; the caller feeds the token
+    once it has read it."""
     position = len(session.tokens) + 1
     logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
                                        session.cache,
                                        tap_layers=session.tap_layers if tap else None)
     row = logits[0, -1:]
-    return pick(row, sampler, noise, position, constraint.allowed(row)), taps
+    return pick(row, sampler, noise, position, constraint.allowed(row)), taps, row
 
 
 def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None,
@@ -162,6 +163,7 @@ class Ahead:
 
     token: mx.array
     taps: mx.array | None
+    row: mx.array
     mark: object
     since: float = 0.0
 
@@ -228,6 +230,7 @@ def _first(run: Run) -> int:
     token = pick(last, run.sampler, run.noise, len(prompt), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
+    run.score(last, [token])
     return token
 
 
@@ -250,6 +253,8 @@ def _emit(run: Run, out: list[int]):
         stats.finish_reason = "stop"
     elif room <= 0:
         stats.finish_reason = "length"
+    if stats.finish_reason is not None and run.scores is not None:
+        stats.logprobs = run.scored()
     yield token
     if stats.finish_reason is not None:
         return None
@@ -272,10 +277,11 @@ def _serial(run: Run, token: int, room: int) -> int:
     ahead, session.ahead = session.ahead, None
     if ahead is None:
         t0 = time.perf_counter()
-        nxt, taps = serial_step(session, token, run.sampler, run.noise, run.tap, run.constraint)
+        nxt, taps, row = serial_step(session, token, run.sampler, run.noise, run.tap,
+                                     run.constraint)
         mx.async_eval(nxt)
     else:
-        t0, nxt, taps = ahead.since, ahead.token, ahead.taps
+        t0, nxt, taps, row = ahead.since, ahead.token, ahead.taps, ahead.row
     session.feed([token], taps)
     if room >= 2 and run.constraint.lookahead \
             and not (run.use_drafter and run.control.speculating) \
@@ -287,6 +293,7 @@ def _serial(run: Run, token: int, room: int) -> int:
         session.ahead.since = t_read
         if nxt in run.request.stop_tokens:
             undo_ahead(session)
+    run.score(row, [nxt])
     run.stats.t_serial += t_read - t0
     run.stats.serial_steps += 1
     run.control.observe_serial(t_read - t0)
@@ -319,6 +326,7 @@ def _round(run: Run, bonus: int, n: int) -> list[int]:
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
     out = _through_stop(out, run.request.stop_tokens)
+    run.score(target_logits[:len(out)], out)     # the verify rows the tokens were chosen from
     run.constraint.settle(len(out) - 1)   # the accepted drafts stay; the rest roll back
     t3 = time.perf_counter()
     commit(session, bonus, read[2:], taps, keep=len(out))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from ..request import Request, RequestError
 from ..stats import Stats
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
-from .sampling import Noise, Sampler
+from .sampling import Noise, Sampler, log_probs
 from .session import Session
 
 
@@ -79,6 +81,7 @@ class Run:
     switches_before: int
     tap: bool              # the session has a drafter: it keeps its context whole
     use_drafter: bool      # ... and this request may speculate
+    scores: list | None = None   # per emitted token, lazy (Request.logprobs), else None
 
     @property
     def session(self) -> Session:
@@ -101,7 +104,24 @@ class Run:
         if not sampler.greedy:
             stats.sampling, stats.seed = sampler.scheme, noise.seed
         return cls(call, request, stats, sampler, noise, control, control.switches, tap,
-                   tap and request.speculative != "off")
+                   tap and request.speculative != "off",
+                   [] if request.logprobs is not None else None)
+
+    def score(self, rows: mx.array, tokens):
+        """Score the tokens emitted from the target's ``rows`` (the rows they were chosen
+        from), when the request asks: computed beside the step, read once at the end."""
+        if self.scores is not None:
+            item = log_probs(rows, mx.array(tokens), self.request.logprobs)
+            mx.async_eval(item)
+            self.scores.append((list(tokens), item))
+
+    def scored(self) -> list[tuple]:
+        """``(token, logprob, [(id, logprob), ...])`` for every token scored so far."""
+        out = []
+        for tokens, (chosen, order, alts) in self.scores:
+            for t, lp, o, a in zip(tokens, chosen.tolist(), order.tolist(), alts.tolist()):
+                out.append((t, lp, list(zip(o, a))))
+        return out
 
     def count_round(self, n: int, a: int, times):
         """Stats and controller bookkeeping of one round of ``n`` drafts, ``a`` accepted

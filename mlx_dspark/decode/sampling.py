@@ -131,6 +131,16 @@ def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: 
     return mx.exp(log_warp(logits, temperature, top_p, top_k, vocab))
 
 
+def log_probs(rows: mx.array, tokens: mx.array, top: int):
+    """Lazy ``(logprob of each token, its row's ``top`` most likely ids, their logprobs)``
+    under the raw ``rows`` [n, V] (no temperature, top-p, top-k or mask)."""
+    logp = rows.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    order = mx.argsort(-logp, axis=-1)[:, :top]
+    return chosen, order, mx.take_along_axis(logp, order, axis=-1)
+
+
 def constrain(logits: mx.array, allowed: mx.array | None) -> mx.array:
     """``logits`` with the tokens a grammar forbids (``allowed`` false, broadcast over rows)
     at ``-inf``, before any warping; ``None`` leaves them as they are. Target and drafter

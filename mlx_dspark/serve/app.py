@@ -134,6 +134,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
         stream, include_usage = stream_flags(body)
         options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
                                    defaults)
+        options["logprobs"] = logprobs_request(body, kind)
         use, budget, boundaries = ToolUse(), None, ()
         if kind == "chat":
             messages, use = chat_messages(body), tool_use(body)
@@ -150,7 +151,7 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
             # a completion is the model's text as written, its thinking and closing tag
             # included: the completions shape has no other place for them
             generation = dataclasses.replace(generation, thinking=None)
-        params = Params(generation, stream, include_usage, use, logprobs_request(body, kind))
+        params = Params(generation, stream, include_usage, use)
         return params, boundaries, cache_space(request, body), name
 
     async def encode(prompt, template=None, use: ToolUse | None = None,
@@ -215,8 +216,8 @@ def create_app(engine: Engine, model_id, api_key: str | None = None,
 
     async def complete(request: Request, kind: str):
         params, boundaries, space, name = await read(request, kind)
-        job = Job(params.request, asyncio.get_running_loop(), params.logprobs,
-                  boundaries=boundaries, space=space)
+        job = Job(params.request, asyncio.get_running_loop(), boundaries=boundaries,
+                  space=space)
         engine.submit(job)
         reply = Reply(kind, name, params.tools)
         if not params.stream:

@@ -36,7 +36,6 @@ class Job:
 
     request: Request
     loop: asyncio.AbstractEventLoop
-    logprobs: int | None = None     # score the reply's tokens, with this many alternatives
     boundaries: tuple = ()      # where the prompt's chat messages end (checkpoints)
     space: str = ""             # whose snapshots it may use (API key and cache_salt, hashed)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -194,10 +193,9 @@ class Engine:
         try:
             for chunk in stream:
                 tokens += [] if chunk.stop else [chunk.token]
-                if chunk.finish_reason is not None and job.logprobs is not None:
-                    job.emit("logprobs", logprobs.score(self.pair.target,
-                                                        list(job.request.prompt), tokens,
-                                                        job.logprobs))
+                if chunk.finish_reason is not None and job.request.logprobs is not None:
+                    job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
+                                                           tokens, chunk.stats.logprobs))
                 job.emit("chunk", chunk)
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1

@@ -1,14 +1,26 @@
 """Log-probabilities of a reply's tokens under the target's own distribution (the logits
 before temperature, top-p or top-k), for the server's ``logprobs`` fields.
 
-A reply's tokens are scored after it is generated, by the target on a cache of its own: the
-prompt in one step, then the reply's tokens in one more. The scores depend only on the
-tokens, so a speculative reply and a serial one with the same tokens get the same numbers.
-The cost is one prefill of the prompt and the reply, paid only by requests that ask."""
+They are read off the rows the generation itself computed (``Request.logprobs``: the loop
+scores each token from the serial step's or the verify pass's row it was chosen from), so
+asking costs a log-softmax and a sort per token, not a second pass. The numbers depend only on
+the tokens, up to float rounding between a verify pass and a serial step (about 1e-6). A reply
+whose tokens the loop did not all choose itself (a thinking budget writes the end of the
+thinking block) is scored again by the target on a cache of its own, prompt and reply in two
+steps (:func:`score`)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+
+def of_reply(target, request, tokens: list[int], scored: list | None) -> list[tuple]:
+    """``(token, logprob, alternatives)`` for each of the reply's ``tokens`` (stop tokens
+    left out): the generation's own scores (``Stats.logprobs``) when they cover exactly these
+    tokens, else scored again (:func:`score`)."""
+    if scored is not None and [t for t, _, _ in scored[:len(tokens)]] == tokens:
+        return scored[:len(tokens)]
+    return score(target, list(request.prompt), tokens, request.logprobs)
 
 
 def score(target, prompt: list[int], tokens: list[int], top: int) -> list[tuple]:

@@ -36,7 +36,6 @@ class Params:
     stream: bool
     include_usage: bool
     tools: "ToolUse" = None
-    logprobs: int | None = None     # alternatives per token, when logprobs are asked for
 
 
 def _get(body: dict, name: str, kinds, check=None, what: str = ""):
