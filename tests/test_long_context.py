@@ -29,6 +29,7 @@ def test_the_demo_pair_declares_a_context_for_agents():
 
 
 @pytest.mark.slow
+@pytest.mark.long       # about 10 minutes here: `python -m pytest -m long`
 def test_at_40k_tokens_the_demo_pair_speculates_exactly_as_it_decodes_serially():
     pair = md.load()
     ids = long_prompt(pair.tokenizer, LONG)
