@@ -55,21 +55,21 @@ def test_a_plain_request_is_served(client):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("host", ["localhost:8080", "127.0.0.1:1", "[::1]:8080", "llm.internal"])
+@pytest.mark.parametrize("host", ["localhost:5001", "127.0.0.1:1", "[::1]:5001", "llm.internal"])
 def test_local_names_and_allowed_hosts_are_served(client, host):
     assert client.post(CHAT, json=HI, headers={**AUTH, "Host": host}).status_code == 200
 
 
-@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:8080", "10.1.2.3"])
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:5001", "10.1.2.3"])
 def test_a_foreign_host_is_refused_dns_rebinding(client, host):
     _error(client.post(CHAT, json=HI, headers={**AUTH, "Host": host}), 403, "host_not_allowed")
 
 
 def test_a_server_on_every_address_takes_any_ip_but_not_a_foreign_name():
     every = Exposure(bound="0.0.0.0")
-    assert every.host_allowed("192.168.1.20:8080") and every.host_allowed("[fe80::1]:80")
-    assert not every.host_allowed("rebind.attacker.example:8080")
-    assert Exposure(bound="192.168.1.20").host_allowed("192.168.1.20:8080")
+    assert every.host_allowed("192.168.1.20:5001") and every.host_allowed("[fe80::1]:80")
+    assert not every.host_allowed("rebind.attacker.example:5001")
+    assert Exposure(bound="192.168.1.20").host_allowed("192.168.1.20:5001")
 
 
 def test_a_browser_origin_is_refused_unless_allowed(client):
