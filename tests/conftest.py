@@ -4,8 +4,16 @@ reference_drafter, cli_pair) import by name because pytest puts this folder on `
 ``fixtures.drafter.tiny`` the same way. Nothing outside tests/ imports from it."""
 
 import os
+import signal
 
 import pytest
+
+# A runner started in the background by a shell without job control (a CI script's `cmd &`,
+# nohup) inherits SIGINT ignored, and so would every process the tests start: the Ctrl-C tests
+# send SIGINT and need it delivered. A caught signal is reset to its default across exec, so
+# catching it here gives the children Python's own Ctrl-C.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")
