@@ -312,12 +312,17 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                  num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None, response_format: dict | None = None,
-                 grammar=None, logprobs: int | None = None) -> Request:
+                 grammar=None, logprobs: int | None = None,
+                 split_thinking: bool = True) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
-    the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer)."""
+    the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer, ids
+    the tokenizer cannot decode never drawn). ``split_thinking=False``: a prompt that opens
+    a thinking block is not read as one; the reply comes back as the model writes it, its
+    thinking and closing tag in ``text`` (the server's ``/v1/completions``)."""
     strings, ids = split_stops(stop)
-    if not isinstance(chat, bool):
-        raise RequestError("chat", f"chat must be True or False, not {chat!r}")
+    for name, value in (("chat", chat), ("split_thinking", split_thinking)):
+        if not isinstance(value, bool):
+            raise RequestError(name, f"{name} must be True or False, not {value!r}")
     if chat_template_kwargs is not None:
         check_template_variables(chat_template_kwargs)
     if strings and pair.tokenizer is None:
@@ -327,8 +332,9 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
-                   thinking=thinking_of(pair.tokenizer, prompt),
+                   thinking=thinking_of(pair.tokenizer, prompt) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
+                   vocab_limit=pair.decodable,
                    grammar=constraint_of(pair, prompt, response_format, grammar))
 
 
@@ -407,7 +413,8 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
     ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
-    the block itself and the model answers.
+    the block itself and the model answers; ``split_thinking=False`` leaves the thinking in
+    ``chunk.text``, as the model wrote it.
 
     ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
     "json_schema": {"schema": ...}}``) or ``grammar`` (a :mod:`mlx_dspark.decode.grammar` Grammar,
@@ -435,6 +442,8 @@ def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chu
         if given:
             raise TypeError(f"a Request carries every option; got {', '.join(given)} too")
         request = prompt
+        if request.vocab_limit is None and pair.decodable is not None:   # made without the
+            request = dataclasses.replace(request, vocab_limit=pair.decodable)   # pair
     else:
         request = make_request(pair, prompt, max_tokens, **options)
     boundaries = ()
@@ -449,9 +458,10 @@ def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chu
 
 def stream(pair: Pair, request: Request, session: Session | None = None,
            boundaries=()) -> Iterator[Chunk]:
-    """The chunks of ``request`` decoded on ``session`` (None: a session of its own, without
-    the drafter when the request never speculates, or continued from the pair's prompt cache
-    when it has one; ``boundaries``: where the prompt's chat messages end, checkpoints)."""
+    """The chunks of ``request`` (as :func:`make_request` built it for ``pair``) decoded on
+    ``session`` (None: a session of its own, without the drafter when the request never
+    speculates, or continued from the pair's prompt cache when it has one; ``boundaries``:
+    where the prompt's chat messages end, checkpoints). The request is decoded as it is."""
     from .decode.loop import decode
 
     if session is None and pair.prompt_cache is not None:
@@ -459,8 +469,6 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
     if session is None:
         session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
                           home=pair)
-    if request.vocab_limit is None and pair.decodable is not None:
-        request = dataclasses.replace(request, vocab_limit=pair.decodable)
     stats = Stats()
     return _chunks(pair, request, decode(session, request, stats), stats)
 

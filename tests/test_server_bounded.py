@@ -20,7 +20,7 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from mlx_dspark import api
-from mlx_dspark.serve import app as server
+from mlx_dspark.serve import relay
 from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Engine, Job
 from mlx_dspark.text.tokenizer import chat_ids
@@ -229,7 +229,7 @@ def test_a_queued_non_streamed_client_that_hangs_up_frees_its_place(engine, held
 
 
 def test_queued_streams_get_keep_alives_with_their_place(engine, held, url, monkeypatch):
-    monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.05, raising=False)
+    monkeypatch.setattr(relay, "KEEPALIVE_SECONDS", 0.05)
     with httpx.Client(timeout=30) as http, _stream(http, url) as first, \
             _stream(http, url, "/v1/messages") as second:
         lines = (line for line in second.iter_lines() if line)
@@ -243,7 +243,7 @@ def test_queued_streams_get_keep_alives_with_their_place(engine, held, url, monk
 
 def test_the_clients_read_through_keep_alives_to_the_same_answer(engine, held, url,
                                                                 monkeypatch):
-    monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.05)
+    monkeypatch.setattr(relay, "KEEPALIVE_SECONDS", 0.05)
     want = api.generate(engine.pair, USER, max_tokens=6, temperature=0).text
     got = {}
 

@@ -2,36 +2,28 @@
 docs/serve.md): a request body read into chat messages, tools and options, refusals as
 Anthropic error objects, and the reply as a message or as Anthropic's stream of events. The
 engine, the prompt encoding and the reading of thinking and tool calls are the OpenAI
-endpoint's (serve/app.py, serve/answer.py); only the shapes differ."""
+endpoint's (serve/routes.py, serve/answer.py); only the shapes differ."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 
 from ..text import tools
 from . import fields
-from .answer import Answer
+from .answer import Answer, one_call_stops
+from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
-from .openai import ToolUse, _get, stop_strings
+from .openai import _get, constraint_options, stop_strings
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-@dataclass
-class MessagesRequest:
-    messages: list[dict]        # as the chat template takes them
-    use: ToolUse
-    options: dict               # api.make_request keywords
-    template: dict              # chat template variables
-    budget: int | None          # thinking_token_budget
-    prefill: str = ""           # the reply's start: a last assistant message, continued
-
-
-def read(body: dict, count: bool = False) -> MessagesRequest:
+def read(body: dict, defaults: Defaults, count: bool = False) -> Asked:
     """A /v1/messages body checked and read (``count``: a count_tokens body, which needs no
-    ``max_tokens``)."""
+    ``max_tokens``). Anthropic's own defaults (temperature 1, no top_k) stand where the body
+    leaves a field out; of the server's, only the engine's options apply."""
+    model = None if count else _get(body, "model", (str,))
     fields.check(body, "count_tokens" if count else "messages")
     max_tokens = _get(body, "max_tokens", (int,), lambda n: n >= 1, "at least 1")
     if max_tokens is None and not count:
@@ -41,10 +33,6 @@ def read(body: dict, count: bool = False) -> MessagesRequest:
     top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
     top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
     stops = stop_strings(_get(body, "stop_sequences", (list,)) or [], "stop_sequences")
-    options = dict(max_tokens=max_tokens,
-                   temperature=float(temperature) if temperature is not None else 1.0,
-                   top_p=float(top_p) if top_p is not None else 1.0, top_k=top_k or 0,
-                   stop=stops)
     template, budget = _thinking(body)
     system = _system(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + \
@@ -54,7 +42,15 @@ def read(body: dict, count: bool = False) -> MessagesRequest:
         raise ApiError("'thinking' and a last assistant message (a prefill) do not go "
                        "together: the reply would continue the prefill, not think first",
                        "thinking")
-    return MessagesRequest(messages, _tools(body), options, template, budget, prefill)
+    use = _tools(body)
+    options = dict(max_tokens=max_tokens,
+                   temperature=float(temperature) if temperature is not None else 1.0,
+                   top_p=float(top_p) if top_p is not None else 1.0, top_k=top_k or 0,
+                   stop=stops + one_call_stops(use), thinking_token_budget=budget,
+                   **defaults.engine())
+    return Asked("messages", messages, options, template, use, prefill,
+                 lambda: constraint_options({}, use), model,         # forced calls' grammar
+                 stream=bool(_get(body, "stream", (bool,))))
 
 
 def _prefill(messages: list[dict]) -> str:

@@ -1,7 +1,8 @@
 """OpenAI request and response shapes for ``mlx-dspark serve`` (docs/serve.md): reading a
-JSON body into a :class:`~mlx_dspark.request.Request`'s options, refusing what does not fit
-with an OpenAI error object, and building completion objects and stream pieces from chunks.
-No engine, no HTTP server: those are serve/engine.py and serve/app.py."""
+JSON body into what it asks (:func:`read`: an :class:`~mlx_dspark.serve.asked.Asked`, the
+keywords of its one Request), refusing what does not fit with an OpenAI error object, and
+building completion objects and stream pieces from chunks. No engine, no HTTP server: those
+are serve/engine.py and serve/routes.py."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
 
 from ..request import RequestError
 from ..text import tools
 from ..text.chat_template import check_template_variables
-from .answer import Answer
+from . import fields
+from .answer import Answer, one_call_stops
+from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
 
 COMPLETIONS_MAX_TOKENS = 16     # OpenAI's default for /v1/completions; chat runs to the limit
@@ -28,14 +30,29 @@ MAX_DEPTH = 32                  # JSON nesting: chat needs 4, tools add their sc
 # Requests
 
 
-@dataclass
-class Params:
-    """What a request asks for, checked: the generation, and how to send it back."""
-
-    request: object             # request.Request
-    stream: bool
-    include_usage: bool
-    tools: "ToolUse" = None
+def read(body: dict, kind: str, defaults: Defaults, vocab: int) -> Asked:
+    """A /v1/chat/completions (``kind`` "chat") or /v1/completions ("completion") body
+    checked and read, the server's ``defaults`` merged in (``vocab``: the model's, which a
+    completion's token ids must be within). A completion is the model's text as written:
+    its thinking and closing tag come back as text (the completions shape has no other
+    place for them)."""
+    fields.check(body, kind)
+    model = _get(body, "model", (str,))
+    stream, include_usage = stream_flags(body)
+    options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
+                               defaults)
+    options.update(logprobs=logprobs_request(body, kind), **defaults.engine())
+    if kind != "chat":
+        return Asked("prompt", completion_prompt(body, vocab),
+                     dict(options, split_thinking=False),
+                     constraints=lambda: constraint_options(body, ToolUse()), model=model,
+                     stream=stream, include_usage=include_usage)
+    messages, use = chat_messages(body), tool_use(body)
+    template, budget = thinking_options(body, defaults.chat_template_kwargs)
+    options.update(stop=options["stop"] + one_call_stops(use), thinking_token_budget=budget)
+    return Asked("messages", messages, options, template, use,
+                 constraints=lambda: constraint_options(body, use), model=model,
+                 stream=stream, include_usage=include_usage)
 
 
 def _get(body: dict, name: str, kinds, check=None, what: str = ""):
@@ -98,15 +115,11 @@ def text_chars(*values) -> int:
     return total
 
 
-OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-
-
 def sampling_options(body: dict, default_max_tokens: int | None,
-                     defaults: dict | None = None) -> dict:
+                     defaults: Defaults) -> dict:
     """api.make_request keyword arguments from the OpenAI sampling fields; a field the body
     leaves out takes the server's default (``defaults``: ``serve --temp`` ... or the model's
-    generation_config.json), else OpenAI's."""
-    defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
+    generation_config.json, else OpenAI's)."""
     num = (int, float)
     temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 2 and math.isfinite(t),
                        "between 0 and 2")
@@ -123,11 +136,11 @@ def sampling_options(body: dict, default_max_tokens: int | None,
     n = _get(body, "n", (int,))
     if n not in (None, 1):
         raise ApiError("'n' must be 1: this server returns one choice per request", "n")
-    return dict(max_tokens=max_tokens or defaults.get("max_tokens") or default_max_tokens,
+    return dict(max_tokens=max_tokens or defaults.max_tokens or default_max_tokens,
                 temperature=float(temperature if temperature is not None
-                                  else defaults["temperature"]),
-                top_p=float(top_p if top_p is not None else defaults["top_p"]),
-                top_k=top_k if top_k is not None else defaults["top_k"], seed=seed, stop=stop)
+                                  else defaults.temperature),
+                top_p=float(top_p if top_p is not None else defaults.top_p),
+                top_k=top_k if top_k is not None else defaults.top_k, seed=seed, stop=stop)
 
 
 def stop_strings(stops: list, name: str) -> list[str]:
@@ -159,7 +172,7 @@ def _content(content, where: str, empty_ok: bool = False) -> str:
     return content
 
 
-def constraint_options(body: dict, use: "ToolUse") -> dict:
+def constraint_options(body: dict, use: ToolUse) -> dict:
     """api.make_request's grammar keywords: ``response_format`` (text, json_object,
     json_schema), or for a forced ``tool_choice`` (``use.prefill``, the call's opening the
     prompt ends with) the grammar of the rest of Nemotron's tool calls to ``tools``
@@ -227,18 +240,6 @@ def _history_calls(calls, where: str) -> list[dict]:
     return out
 
 
-@dataclass
-class ToolUse:
-    """What a request's tools ask of the reply: the definitions for the template (None: no
-    tools section), the functions to read calls of (None: no calls read) and the text the
-    reply is made to start with (a forced call's opening)."""
-
-    tools: list | None = None
-    functions: dict | None = None
-    prefill: str = ""
-    parallel: bool = True        # the reply may hold several calls
-
-
 def tool_use(body: dict) -> ToolUse:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` read and checked. "auto" (the
     default with tools): the model may call; "none": the tools are not shown; "required" and
@@ -289,11 +290,10 @@ def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
     except RequestError as e:
         raise ApiError(str(e), e.param) from None
     options.update(variables)
-    from .fields import effort_budget
     effort = _get(body, "reasoning_effort", (str,))
     budget = None
     if effort is not None:      # an effort level: thinking on with its budget, or off
-        on, budget = effort_budget(effort, "reasoning_effort")
+        on, budget = fields.effort_budget(effort, "reasoning_effort")
         options["enable_thinking"] = on
     given = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
     return options, given if given is not None else budget
@@ -329,14 +329,6 @@ def completion_prompt(body: dict, vocab: int):
                        "(one prompt per request)", "prompt")
 
 
-def check_model(body: dict, model_ids) -> str:
-    """The name the reply carries: the ``model`` the request asks for (any name: the one
-    served model answers it, ``claude-*`` and ``gpt-*`` included), else the server's id
-    (``model_ids[0]``)."""
-    model = _get(body, "model", (str,))
-    return model or model_ids[0]
-
-
 def model_object(model_id: str) -> dict:
     """A model as ``/v1/models`` lists it: OpenAI's fields and Anthropic's (``type``,
     ``display_name``, ``created_at``), so clients of either API read it."""
@@ -362,7 +354,7 @@ class Reply:
     """Accumulates the chunks of one generation into OpenAI response objects: the thinking
     as ``reasoning_content``, the text as ``content``, the calls as ``tool_calls``."""
 
-    def __init__(self, kind: str, model: str, use: "ToolUse | None" = None):
+    def __init__(self, kind: str, model: str, use: ToolUse | None = None):
         self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())

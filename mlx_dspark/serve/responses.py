@@ -19,9 +19,10 @@ from ..decode import tool_grammar
 from ..request import RequestError
 from ..text import tools
 from . import fields
-from .answer import Answer
+from .answer import Answer, one_call_stops
+from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
-from .openai import ToolUse, _get, constraint_options, sampling_options
+from .openai import _get, constraint_options, sampling_options
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -43,27 +44,23 @@ ECHOED = {"instructions": None, "max_output_tokens": None, "metadata": {},
 
 
 @dataclass
-class ResponsesRequest:
-    messages: list[dict]            # as the chat template takes them
-    use: ToolUse
+class ResponsesAsked(Asked):
+    """A /v1/responses request as its body asks it: what every request asks, and what the
+    response object needs besides."""
+
     customs: set = field(default_factory=set)      # names of the custom tools
-    options: dict = field(default_factory=dict)    # api.make_request keywords
-    constraints: object = dict      # () -> the grammar keywords (compiles: off the loop)
-    template: dict = field(default_factory=dict)   # chat template variables
-    budget: int | None = None                      # thinking_token_budget
-    stream: bool = False
     echo: dict = field(default_factory=dict)       # what the response object repeats
 
 
-def read(body: dict, defaults: dict, template_defaults: dict) -> ResponsesRequest:
-    """A /v1/responses body checked and read; ``defaults`` and ``template_defaults``: the
-    server's request defaults and chat template variables."""
+def read(body: dict, defaults: Defaults) -> ResponsesAsked:
+    """A /v1/responses body checked and read, the server's ``defaults`` merged in."""
+    model = _get(body, "model", (str,))
     fields.check(body, "responses")
     limit = _get(body, "max_output_tokens", (int,), lambda n: n >= 1, "at least 1")
     options = sampling_options({**{k: body.get(k) for k in ("temperature", "top_p", "top_k",
                                                              "seed")}, "max_tokens": limit},
                                None, defaults)
-    template, budget = _reasoning(body, template_defaults)
+    template, budget = _reasoning(body, defaults.chat_template_kwargs)
     for name in _get(body, "include", (list,)) or []:
         if name in INCLUDES_REFUSED:
             raise ApiError(f"'include' {name!r} is not supported", "include",
@@ -73,9 +70,12 @@ def read(body: dict, defaults: dict, template_defaults: dict) -> ResponsesReques
         _input(body.get("input"))
     use, customs = _tools(body)
     echo = {k: body[k] if body.get(k) is not None else v for k, v in ECHOED.items()}
-    return ResponsesRequest(messages, use, {c.name for c in customs}, options,
-                            lambda: _constraint(body, use, customs), template, budget,
-                            bool(_get(body, "stream", (bool,))), echo)
+    options.update(stop=options["stop"] + one_call_stops(use), thinking_token_budget=budget,
+                   **defaults.engine())
+    return ResponsesAsked("input", messages, options, template, use,
+                          constraints=lambda: _constraint(body, use, customs), model=model,
+                          stream=bool(_get(body, "stream", (bool,))),
+                          customs={c.name for c in customs}, echo=echo)
 
 
 def _reasoning(body: dict, template_defaults: dict) -> tuple[dict, int | None]:
@@ -244,7 +244,7 @@ class ResponseReply:
     ``custom_tool_call_input``) and ``output_item.done``; then ``response.completed`` (or
     ``response.incomplete`` when ``max_output_tokens`` cut it)."""
 
-    def __init__(self, model: str, request: ResponsesRequest, prompt_tokens: int):
+    def __init__(self, model: str, request: ResponsesAsked, prompt_tokens: int):
         self.model, self.request, self.prompt_tokens = model, request, prompt_tokens
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
