@@ -10,6 +10,7 @@ import pytest
 
 from mlx_dspark import api
 from mlx_dspark.decode.sampling import gumbel_max, warp
+from mlx_dspark.request import Request
 
 LIMIT = 4000        # the demo's greedy answer to PROMPT uses ids above it (4060, 4038)
 PROMPT = "Hello"
@@ -39,6 +40,14 @@ def test_speculative_output_equals_serial_and_stays_below_the_tokenizer(pair, op
 def test_rejection_sampling_never_emits_an_id_past_the_tokenizer(pair, seed):
     out = api.generate(pair, PROMPT, max_tokens=40, speculative="on", temperature=1.5,
                        seed=seed, sampling="rejection")
+    assert max(out.tokens) < LIMIT
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_request_made_without_the_pair_is_held_below_the_tokenizer_too(pair, seed):
+    ids = pair.tokenizer.encode(PROMPT)
+    out = api.generate(pair, Request(ids, max_tokens=40, temperature=1.5, seed=seed,
+                                     speculative="on"))
     assert max(out.tokens) < LIMIT
 
 

@@ -1,0 +1,109 @@
+"""One carrier of options (issue 29, item 2): an HTTP request's options are read once, at the
+route, into one ``Request`` (the server's defaults merged in there), and the loop decodes that
+very Request: nothing after the route rebuilds it (a completion's thinking, a padded
+vocabulary's limit) or reads an option again. In process: the app on the demo pair."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlx_dspark import api
+from mlx_dspark.decode import loop
+from mlx_dspark.request import Request
+from mlx_dspark.serve.app import create_app
+from mlx_dspark.serve.engine import Engine
+
+USER = [{"role": "user", "content": "def greet(name):"}]
+ROUTES = {
+    "chat": ("/v1/chat/completions", {"messages": USER, "max_tokens": 3}),
+    "completion": ("/v1/completions", {"prompt": "def f(x):\n<think>\n", "max_tokens": 3}),
+    "messages": ("/v1/messages", {"messages": USER, "max_tokens": 3}),
+    "responses": ("/v1/responses", {"input": "def greet(name):", "max_output_tokens": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(api.load, max_queue=2, cache_bytes=0)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def seen(engine, monkeypatch):
+    """What one test's requests did: every Request made (``made``), the Request of every
+    job the engine was handed (``queued``) and of every decode call (``decoded``)."""
+    record = {"made": [], "queued": [], "decoded": []}
+    post_init, submit, decode = Request.__post_init__, engine.submit, loop.decode
+
+    def made(self):
+        post_init(self)
+        record["made"].append(self)
+
+    def queued(job):
+        record["queued"].append(job.request)
+        submit(job)
+
+    def decoded(session, request, stats=None):
+        record["decoded"].append(request)
+        return decode(session, request, stats)
+
+    monkeypatch.setattr(Request, "__post_init__", made)
+    monkeypatch.setattr(engine, "submit", queued)
+    monkeypatch.setattr(loop, "decode", decoded)
+    return record
+
+
+def _client(engine, **defaults):
+    return TestClient(create_app(engine, "demo", defaults=defaults),
+                      base_url="http://localhost")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_route_builds_one_request_and_the_loop_decodes_that_one(engine, seen, route,
+                                                                    stream):
+    path, body = ROUTES[route]
+    r = _client(engine).post(path, json={**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert len(seen["made"]) == 1, f"{len(seen['made'])} Requests made for one {route}"
+    assert seen["decoded"] == seen["queued"] == seen["made"]
+    assert seen["decoded"][0] is seen["made"][0]
+
+
+def test_a_completion_keeps_its_thinking_as_text_in_the_one_request(engine, seen):
+    path, body = ROUTES["completion"]
+    assert _client(engine).post(path, json=body).status_code == 200
+    (request,) = seen["made"]
+    assert request.thinking is None      # the prompt opens a block; a completion is its text
+
+
+def test_a_padded_vocabulary_is_limited_in_the_request_the_route_built(engine, seen,
+                                                                       monkeypatch):
+    limit = engine.pair.target.config.vocab_size - 96
+    monkeypatch.setattr(engine.pair, "decodable", limit)     # a tokenizer short of the model
+    path, body = ROUTES["chat"]
+    assert _client(engine).post(path, json=body).status_code == 200
+    (request,) = seen["made"]
+    assert request.vocab_limit == limit and seen["decoded"] == [request]
+
+
+def test_temperature_goes_from_the_body_or_the_servers_default_to_the_decoded_request(
+        engine, seen):
+    client = _client(engine, temperature=0.25, top_p=0.9, num_draft=2)
+    path, body = ROUTES["chat"]
+    assert client.post(path, json=body).status_code == 200
+    assert client.post(path, json={**body, "temperature": 0.5}).status_code == 200
+    path, body = ROUTES["messages"]      # Anthropic's own default, not the server's
+    assert client.post(path, json=body).status_code == 200
+    default, given, anthropic = seen["decoded"]
+    assert (default.temperature, default.top_p, default.num_draft) == (0.25, 0.9, 2)
+    assert (given.temperature, given.top_p) == (0.5, 0.9)
+    assert (anthropic.temperature, anthropic.top_p, anthropic.num_draft) == (1.0, 1.0, 2)
+
+
+def test_a_server_default_that_is_no_request_field_is_refused_naming_it(engine):
+    with pytest.raises(ValueError, match="'temprature' is not a request default"):
+        create_app(engine, "demo", defaults={"temprature": 0.2})
