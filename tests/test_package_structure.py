@@ -119,3 +119,20 @@ def test_nothing_outside_tests_imports_from_tests():
                          else [])
                 bad = [n for n in names if n and n.split(".")[0] in helpers]
                 assert not bad, f"{f}: imports {bad} from tests/"
+
+
+RUNTIME_LINES = 650     # the most any module of the package may hold (issue 29)
+DECODE_LINES = 350      # the file that defines decode: the loop reads as the algorithm
+
+
+def _lines(f: Path) -> int:
+    return len(f.read_text().splitlines())
+
+
+def test_no_module_is_over_650_lines_and_the_loop_over_350():
+    too_long = {f"{name} ({_lines(f)} lines)" for name, f in _modules().items()
+                if _lines(f) > RUNTIME_LINES}
+    assert not too_long, f"over {RUNTIME_LINES} lines: {', '.join(sorted(too_long))}"
+    loop = ROOT / "mlx_dspark" / "decode" / "loop.py"
+    assert "\ndef decode(" in loop.read_text()
+    assert _lines(loop) <= DECODE_LINES, f"decode/loop.py has {_lines(loop)} lines"

@@ -29,10 +29,10 @@ from typing import Iterator
 import mlx.core as mx
 
 from .. import device
-from ..request import NonFiniteLogits, Request
+from ..request import Request
 from ..stats import Stats
 from . import budget, constraint as constraints, sampling
-from .run import Call, Run, StaleGenerator, check  # noqa: F401 (StaleGenerator: public here)
+from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
 from .sampling import Noise, Sampler, constrain
 from .session import Session
 
@@ -77,22 +77,6 @@ def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int,
     :func:`finite`)."""
     token = sampler.choose(constrain(logits, allowed), noise.at(position, 1, logits.shape[-1]))[0]
     return mx.where(mx.isfinite(logits).all(), token.astype(mx.int32), -1)
-
-
-def finite(token: int, session: Session) -> int:
-    """``token`` as read from the device, or the run ends here: -1 marks logits with an inf
-    or a NaN (an overflowing dtype, a corrupt weight), which would otherwise come out as
-    token 0 forever. The check rides in the one read each step already makes. The session's
-    state is garbage from here on, so it starts over."""
-    if token >= 0:
-        return token
-    dtype = str(getattr(session.target, "dtype", "its dtype")).rsplit(".", 1)[-1]
-    position = len(session.tokens)
-    session.reset()
-    raise NonFiniteLogits(f"the model's logits are not finite (inf or NaN) at position "
-                          f"{position}, computing in {dtype}: an activation overflowed or a "
-                          f"weight is corrupt; try another dtype (--dtype, dtype=) or check "
-                          f"the checkpoint (mlx-dspark verify DIR)")
 
 
 def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool,

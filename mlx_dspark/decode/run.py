@@ -1,6 +1,7 @@
 """What the loop's steps read and count: one decode call (:class:`Call`), its stretches
 (:class:`Run`: one request from its prompt; a thinking budget runs several on one call), the
-checks a request meets before its call starts and the controller it runs under."""
+checks a request meets before its call starts, the check of each token read (:func:`finite`)
+and the controller it runs under."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..request import Request, RequestError
+from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
@@ -35,6 +36,22 @@ def check(session: Session, request: Request):
             and request.num_draft > session.drafter.max_draft:
         raise RequestError("num_draft", f"num_draft {request.num_draft}: this drafter proposes "
                                         f"at most {session.drafter.max_draft} tokens per round")
+
+
+def finite(token: int, session: Session) -> int:
+    """``token`` as read from the device, or the run ends here: -1 marks logits with an inf
+    or a NaN (an overflowing dtype, a corrupt weight), which would otherwise come out as
+    token 0 forever. The check rides in the one read each step already makes. The session's
+    state is garbage from here on, so it starts over."""
+    if token >= 0:
+        return token
+    dtype = str(getattr(session.target, "dtype", "its dtype")).rsplit(".", 1)[-1]
+    position = len(session.tokens)
+    session.reset()
+    raise NonFiniteLogits(f"the model's logits are not finite (inf or NaN) at position "
+                          f"{position}, computing in {dtype}: an activation overflowed or a "
+                          f"weight is corrupt; try another dtype (--dtype, dtype=) or check "
+                          f"the checkpoint (mlx-dspark verify DIR)")
 
 
 def controller(session: Session, request: Request) -> Controller:
