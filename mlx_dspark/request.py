@@ -1,9 +1,10 @@
 """What one generation asks for, as one value checked once (free of MLX).
 
-A :class:`Request` is made by the API, the CLI and the server alike and handed to
-``speculative.decode(session, request)``; nothing else carries options. Each refusal is a
-:class:`RequestError` naming the parameter (``.param``, the API's keyword), which the CLI turns
-into its flag through :data:`FLAGS` and the server into its JSON field."""
+A :class:`Request` is made by the API, the CLI and the server alike, at their edge (keywords,
+flags, an HTTP body), and handed as it is to ``decode(session, request)`` (decode/loop.py);
+nothing else carries options. Each refusal is a :class:`RequestError` naming the parameter
+(``.param``, the API's keyword), which the CLI turns into its flag through :data:`FLAGS` and
+the server into its JSON field."""
 
 from __future__ import annotations
 

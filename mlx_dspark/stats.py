@@ -1,6 +1,6 @@
 """What a generation did, typed, and the one way it is printed (free of MLX).
 
-``speculative.decode`` fills a :class:`Stats` as it goes; every streamed chunk carries a copy
+``decode`` (decode/loop.py) fills a :class:`Stats` as it goes; every streamed chunk carries a copy
 (:meth:`Stats.snapshot`), the last one with the peak memory read once at the end. Consumers
 read its fields and properties; :meth:`Stats.as_dict` is for JSON (the server's ``dspark``
 field). For code written against the earlier dict, ``stats["name"]`` reads

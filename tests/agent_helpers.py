@@ -11,10 +11,10 @@ from pathlib import Path
 from starlette.testclient import TestClient
 
 from mlx_dspark import api
-from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Engine
 from mlx_dspark.testing.scripted import ScriptedTarget
 from mlx_dspark.text.tokenizer import load_tokenizer
+from server_helpers import app_client
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 THOUGHT = "Thinking it over.\n</think>\n"
@@ -55,7 +55,7 @@ def scripted_engine(replies: list[str], cache_bytes: int = 0) -> Engine:
 
 
 def client(engine: Engine, name: str = "mlx-dspark-demo", **options) -> TestClient:
-    return TestClient(create_app(engine, name, **options), base_url="http://localhost")
+    return app_client(engine, name, **options)
 
 
 def replay(client: TestClient, request: dict, **body):

@@ -58,7 +58,7 @@ def test_a_session_snapshot_restores_every_drafters_context(target, drafter):
     assert list(decode(session, follow)) == first
 
 
-def test_every_drafters_context_survives_the_prompt_stores_disk_format(target, drafter):
+def test_every_drafters_context_survives_the_prompt_caches_disk_format(target, drafter):
     import json
 
     import mlx.core as mx

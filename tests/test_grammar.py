@@ -1,5 +1,5 @@
-"""Grammar-constrained decoding composed with speculation (mlx_dspark/grammar.py, the grammar
-hooks of speculative.py).
+"""Grammar-constrained decoding composed with speculation (decode/grammar.py, and the
+constraint the loop follows, decode/constraint.py).
 
 * Constrained speculative greedy output is constrained serial greedy output, token for token,
   in every mode and for num_draft 1..7 (the demo pair, its real drafter), and a seeded

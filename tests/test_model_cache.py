@@ -1,5 +1,5 @@
 """``load()`` and ``--model`` take a Hugging Face repo id of a ModelOpt export: converted on first
-use into the cache, reused after (mlx_dspark/model_cache.py). No network: the hub is a local
+use into the cache, reused after (mlx_dspark/checkpoint/hub.py). No network: the hub is a local
 stand-in, either huggingface_hub itself reading a prepared offline cache (the end-to-end test) or
 the converter's fetch function pointed at a directory."""
 

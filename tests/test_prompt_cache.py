@@ -1,4 +1,4 @@
-"""The prompt cache (prompt_cache.py, prompt_store.py): checkpoints at message ends and every K
+"""The prompt cache (prompt_cache/cache.py, prompt_cache/disk.py): checkpoints at message ends and every K
 tokens while prefilling, continued from by any request that shares the prefix, token for token
 what a cold run gives; snapshots on disk across restarts, verified, within their budget, and
 anything foreign, corrupt, truncated, symlinked or unwritable skipped with one warning; the

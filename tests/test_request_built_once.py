@@ -6,13 +6,11 @@ vocabulary's limit) or reads an option again. In process: the app on the demo pa
 from __future__ import annotations
 
 import pytest
-from starlette.testclient import TestClient
 
-from mlx_dspark import api
 from mlx_dspark.decode import loop
 from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app
-from mlx_dspark.serve.engine import Engine
+from server_helpers import app_client, started_engine
 
 USER = [{"role": "user", "content": "def greet(name):"}]
 ROUTES = {
@@ -25,10 +23,7 @@ ROUTES = {
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(api.load, max_queue=2, cache_bytes=0)
-    engine.start()
-    yield engine
-    engine.stop()
+    yield from started_engine(max_queue=2)
 
 
 @pytest.fixture
@@ -57,8 +52,7 @@ def seen(engine, monkeypatch):
 
 
 def _client(engine, **defaults):
-    return TestClient(create_app(engine, "demo", defaults=defaults),
-                      base_url="http://localhost")
+    return app_client(engine, "demo", defaults=defaults)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

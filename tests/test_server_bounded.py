@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from starlette.testclient import TestClient
 
 from mlx_dspark import api
 from mlx_dspark.serve import relay
 from mlx_dspark.serve.app import create_app
-from mlx_dspark.serve.engine import Engine, Job
+from mlx_dspark.serve.engine import Job
 from mlx_dspark.text.tokenizer import chat_ids
+from server_helpers import app_client, started_engine
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "def greet(name):"}]
@@ -31,15 +31,12 @@ USER = [{"role": "user", "content": "def greet(name):"}]
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(api.load, max_queue=2, cache_bytes=0)
-    engine.start()
-    yield engine
-    engine.stop()
+    yield from started_engine(max_queue=2)
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    return TestClient(create_app(engine, "demo"), base_url="http://localhost")
+    return app_client(engine, "demo")
 
 
 def _until(condition, seconds=10.0) -> bool:

@@ -11,12 +11,10 @@ import sys
 import time
 
 import pytest
-from starlette.testclient import TestClient
 
-from mlx_dspark import api
-from mlx_dspark.serve.engine import Engine
-from mlx_dspark.serve.http_guard import Exposure
 from mlx_dspark.serve.app import create_app
+from mlx_dspark.serve.http_guard import Exposure
+from server_helpers import app_client, started_engine
 
 KEY = "clé-secrète"                  # non-ASCII: sent as UTF-8 bytes
 AUTH = {"Authorization": f"Bearer {KEY}".encode()}
@@ -27,17 +25,13 @@ HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(api.load, max_queue=4, cache_bytes=0)
-    engine.start()
-    yield engine
-    engine.stop()
+    yield from started_engine(max_queue=4)
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    app = create_app(engine, "demo", KEY, exposure=Exposure(
+    return app_client(engine, "demo", KEY, exposure=Exposure(
         hosts=frozenset({"llm.internal"}), origins=frozenset({ORIGIN}), max_body=1 << 20))
-    return TestClient(app, base_url="http://localhost")
 
 
 def _error(r, status, code=None, param=None):
@@ -131,8 +125,8 @@ def test_a_request_cannot_bring_a_template_or_tokenizer_arguments(client, kwargs
 
 
 def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(engine, monkeypatch):
-    client = TestClient(create_app(engine, "demo", KEY, exposure=Exposure(max_body=8 << 20)),
-                        base_url="http://localhost")      # the text is over 1 MB
+    client = app_client(engine, "demo", KEY,
+                        exposure=Exposure(max_body=8 << 20))      # the text is over 1 MB
     encoded = []
     monkeypatch.setattr(engine.pair.tokenizer._tokenizer, "encode",
                         lambda *a, **k: encoded.append(1) or [1])

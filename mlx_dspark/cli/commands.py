@@ -137,7 +137,7 @@ def with_prompt_cache(pair, args: argparse.Namespace):
     """Give the pair the prompt cache of --prompt-cache-dir (in memory and on disk)."""
     if args.prompt_cache_dir is not None:
         from ..prompt_cache.cache import PromptCache
-        pair.prompt_cache = PromptCache(1 << 30, prompt_store_factory(args)(pair, pair))
+        pair.prompt_cache = PromptCache(1 << 30, disk_store_factory(args)(pair, pair))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def _gigabytes(s: str) -> float:
 _gigabytes.__name__ = "size"
 
 
-def prompt_store_factory(args: argparse.Namespace):
+def disk_store_factory(args: argparse.Namespace):
     """What Engine(store=...) calls once the pair is loaded: the store of --prompt-cache-dir,
     or None."""
     if args.prompt_cache_dir is None:
@@ -421,7 +421,7 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = Limits(read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                     max_connections=args.max_connections)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
-                    use_drafter=args.speculative != "off", store=prompt_store_factory(args))
+                    use_drafter=args.speculative != "off", store=disk_store_factory(args))
     code = 0
     try:
         engine.start()      # loads the pair on the engine's thread; CommandError comes here

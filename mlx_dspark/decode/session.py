@@ -107,7 +107,7 @@ class Session:
         self.checkpoints: tuple[int, ...] = ()
         self.on_checkpoint: Callable[["Session"], None] | None = None
         # Bumped by every decode started on this session and every restore: a generator
-        # that finds it changed was overtaken and refuses to go on (speculative.decode).
+        # that finds it changed was overtaken and refuses to go on (run.Call.still_current).
         self.generation = 0
         self.reset()
 

@@ -57,7 +57,7 @@ class Engine:
     runs (more are refused); ``cache_bytes`` bounds the snapshots kept in memory (0 and no
     ``store``: no reuse, every request is prefilled from scratch); ``store(pair, session)``,
     called on the thread once the pair is loaded, returns the on-disk store
-    (prompt_store.PromptStore) or None; ``use_drafter`` False (a server that never
+    (prompt_cache.disk.PromptStore) or None; ``use_drafter`` False (a server that never
     speculates) keeps the drafter out of the session, so no taps are collected."""
 
     def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
