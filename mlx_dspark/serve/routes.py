@@ -9,6 +9,7 @@ reader reads the body's options again."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 
@@ -21,7 +22,7 @@ from .. import api
 from ..decode.grammar_limits import GrammarBusy
 from ..request import RequestError
 from ..text.tokenizer import chat_ids, message_boundaries, prompt_ids
-from . import anthropic, openai, relay, responses
+from . import anthropic, errors, openai, relay, responses
 from .asked import Asked, Defaults
 from .engine import Engine, Job
 from .errors import ApiError, ContextExceeded
@@ -53,21 +54,20 @@ class Server:
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     def authorize(self, request: Request):
-        """OpenAI's ``Authorization: Bearer KEY``, when the server has a key."""
+        """The API key, when the server has one: Anthropic's ``x-api-key: KEY`` (or the
+        Bearer header) on its routes, OpenAI's ``Authorization: Bearer KEY`` elsewhere."""
         if self.api_key is None:
+            return
+        if request.url.path.startswith(errors.ANTHROPIC_ROUTES):
+            given = request.headers.get("x-api-key") or \
+                request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode("latin-1"), self.api_key.encode()):
+                raise ApiError("missing or wrong API key (send 'x-api-key: KEY')", status=401)
             return
         given = request.headers.get("authorization", "").encode("latin-1")
         if not hmac.compare_digest(given, self.expected):
             raise ApiError("missing or wrong API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key", status=401)
-
-    def authorize_anthropic(self, request: Request):
-        """Anthropic's ``x-api-key: KEY`` (or the Bearer header), when the server has a key."""
-        if self.api_key is not None:
-            given = request.headers.get("x-api-key") or \
-                request.headers.get("authorization", "").removeprefix("Bearer ")
-            if not hmac.compare_digest(given.encode("latin-1"), self.api_key.encode()):
-                raise ApiError("missing or wrong API key (send 'x-api-key: KEY')", status=401)
 
     async def queue(self, request: Request, asked: Asked, body: dict) -> Job:
         """``asked`` as the engine's job, queued: the prompt encoded, where its messages end
@@ -161,6 +161,13 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
+async def _opened(request: Request) -> tuple[Server, dict]:
+    """The app's server and the request's JSON body, once its API key passed."""
+    server = _server(request)
+    server.authorize(request)
+    return server, parse_body(await request.body())
+
+
 async def chat_completions(request: Request):
     """POST /v1/chat/completions."""
     return await _openai(request, "chat")
@@ -172,52 +179,47 @@ async def completions(request: Request):
 
 
 async def _openai(request: Request, kind: str):
-    server = _server(request)
-    server.authorize(request)
-    body = parse_body(await request.body())
+    server, body = await _opened(request)
     asked = openai.read(body, kind, server.defaults, server.vocab)
-    job = await server.queue(request, asked, body)
-    reply = openai.Reply(kind, asked.model or server.model_id, asked.use)
-    if not asked.stream:
-        return await relay.whole(request, server.engine, job, reply, server.tokenizer)
-    return relay.streamed(relay.openai_stream(server.engine, job, reply, asked.include_usage,
-                                              server.tokenizer))
+    return await _answer(request, asked, body,
+                         lambda name, job: openai.Reply(kind, name, asked.use),
+                         functools.partial(relay.openai_stream,
+                                           include_usage=asked.include_usage,
+                                           tokenizer=server.tokenizer))
 
 
 async def messages(request: Request):
     """POST /v1/messages (Anthropic): the same engine, Anthropic's shapes and errors."""
-    server = _server(request)
-    server.authorize_anthropic(request)
-    body = parse_body(await request.body())
+    server, body = await _opened(request)
     asked = anthropic.read(body, server.defaults)
-    job = await server.queue(request, asked, body)
-    reply = anthropic.MessageReply(asked.model or server.model_id, asked.use,
-                                   len(job.request.prompt))
-    if not asked.stream:
-        return await relay.whole(request, server.engine, job, reply, server.tokenizer)
-    return relay.streamed(relay.anthropic_stream(server.engine, job, reply))
+    return await _answer(request, asked, body, lambda name, job: anthropic.MessageReply(
+        name, asked.use, len(job.request.prompt)), relay.anthropic_stream)
 
 
 async def count_tokens(request: Request):
     """POST /v1/messages/count_tokens (Anthropic): the prompt's exact token count."""
-    server = _server(request)
-    server.authorize_anthropic(request)
-    asked = anthropic.read(parse_body(await request.body()), server.defaults, count=True)
+    server, body = await _opened(request)
+    asked = anthropic.read(body, server.defaults, count=True)
     return JSONResponse({"input_tokens": len(await server.encode(asked))})
 
 
 async def responses_(request: Request):
     """POST /v1/responses (OpenAI's Responses API, stateless)."""
-    server = _server(request)
-    server.authorize(request)
-    body = parse_body(await request.body())
+    server, body = await _opened(request)
     asked = responses.read(body, server.defaults)
+    return await _answer(request, asked, body, lambda name, job: responses.ResponseReply(
+        name, asked, len(job.request.prompt)), relay.responses_stream)
+
+
+async def _answer(request: Request, asked: Asked, body: dict, reply_of, stream_of):
+    """Queue ``asked`` and answer: ``reply_of(name, job)``, the protocol's reply, whole, or
+    streamed as ``stream_of(engine, job, reply)``'s events."""
+    server = _server(request)
     job = await server.queue(request, asked, body)
-    reply = responses.ResponseReply(asked.model or server.model_id, asked,
-                                    len(job.request.prompt))
+    reply = reply_of(asked.model or server.model_id, job)
     if not asked.stream:
         return await relay.whole(request, server.engine, job, reply, server.tokenizer)
-    return relay.streamed(relay.responses_stream(server.engine, job, reply))
+    return relay.streamed(stream_of(server.engine, job, reply))
 
 
 async def models(request: Request):
