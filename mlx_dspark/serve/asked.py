@@ -68,7 +68,8 @@ class Asked:
     (the server's defaults merged in, the stop strings a single tool call adds included;
     ``max_tokens`` None: to the end of the context), and ``constraints``, the grammar
     keywords (called off the event loop: a grammar compiles). ``where`` is the field a
-    refusal of the prompt's length names; ``model`` the name the reply carries (None: the
+    refusal of the prompt's length names; ``model`` the name the reply carries (any name:
+    the one served model answers it, ``claude-*`` and ``gpt-*`` included; None: the
     server's id)."""
 
     where: str
