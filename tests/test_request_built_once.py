@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_dspark import api
 from mlx_dspark.decode import loop
 from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app
@@ -101,3 +102,13 @@ def test_temperature_goes_from_the_body_or_the_servers_default_to_the_decoded_re
 def test_a_server_default_that_is_no_request_field_is_refused_naming_it(engine):
     with pytest.raises(ValueError, match="'temprature' is not a request default"):
         create_app(engine, "demo", defaults={"temprature": 0.2})
+
+
+def test_split_thinking_false_gives_the_thinking_as_text(engine):
+    pair = engine.pair
+    split = api.generate(pair, "<think>\n", max_tokens=12, temperature=0)
+    whole = api.generate(pair, "<think>\n", max_tokens=12, temperature=0, split_thinking=False)
+    assert split.reasoning and whole.tokens == split.tokens
+    assert whole.reasoning == "" and whole.text.startswith(split.reasoning)
+    with pytest.raises(ValueError, match="split_thinking must be True or False"):
+        api.make_request(pair, "hi", split_thinking="no")
