@@ -28,7 +28,10 @@ FLAGS = {
     "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
     "top_k": "--top-k", "sampling": "--sampling", "num_draft": "--num-draft",
     "speculative": "--speculative", "seed": "--seed", "stop": "--stop",
-    "thinking_token_budget": "--thinking-token-budget",
+    "thinking_token_budget": "--thinking-token-budget", "min_p": "--min-p",
+    "min_tokens_to_keep": "--min-tokens-to-keep", "repetition_penalty": "--repetition-penalty",
+    "repetition_context_size": "--repetition-context-size",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
 }
 
 # The spellings ``speculative=`` takes (the CLI's words and the booleans), in one vocabulary.
@@ -74,9 +77,10 @@ def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_sampling(temperature, top_p, top_k, sampling: str = DEFAULT_SCHEME):
-    """Refuse sampling parameters outside their meaning (mlx-lm's: top_p 0 or 1 and top_k 0
-    are "off", temperature 0 is greedy), one line naming the parameter."""
+def check_sampling(temperature, top_p, top_k, sampling: str = DEFAULT_SCHEME,
+                   min_p=0.0, min_tokens_to_keep=1):
+    """Refuse sampling parameters outside their meaning (mlx-lm's: top_p 0 or 1, top_k 0 and
+    min_p 0 are "off", temperature 0 is greedy), one line naming the parameter."""
     if not _number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise RequestError("temperature", f"temperature must be a finite number >= 0 "
                                           f"(0 = greedy), not {temperature!r}")
@@ -87,6 +91,31 @@ def check_sampling(temperature, top_p, top_k, sampling: str = DEFAULT_SCHEME):
     if sampling not in SCHEMES:
         raise RequestError("sampling", f"sampling must be one of {', '.join(SCHEMES)}, "
                                        f"not {sampling!r}")
+    if not _number(min_p) or not 0 <= min_p <= 1:
+        raise RequestError("min_p", f"min_p must be in [0, 1] (0 = off), not {min_p!r}")
+    if not _integer(min_tokens_to_keep) or min_tokens_to_keep < 1:
+        raise RequestError("min_tokens_to_keep", f"min_tokens_to_keep must be an integer >= 1, "
+                                                 f"not {min_tokens_to_keep!r}")
+
+
+def check_penalties(repetition_penalty, repetition_context_size, presence_penalty,
+                    frequency_penalty):
+    """Refuse penalties outside their meaning: ``repetition_penalty`` > 0 (1 or None = off,
+    mlx-lm's), a context of at least one token, presence and frequency penalties in [-2, 2]
+    (OpenAI's range; 0 = off)."""
+    if repetition_penalty is not None and (not _number(repetition_penalty)
+                                           or not 0 < repetition_penalty < math.inf):
+        raise RequestError("repetition_penalty", f"repetition_penalty must be a finite number "
+                                                 f"> 0 (1 or None = off), not "
+                                                 f"{repetition_penalty!r}")
+    if not _integer(repetition_context_size) or repetition_context_size < 1:
+        raise RequestError("repetition_context_size", f"repetition_context_size must be an "
+                                                      f"integer >= 1, not "
+                                                      f"{repetition_context_size!r}")
+    for name, value in (("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty)):
+        if not _number(value) or not -2 <= value <= 2:
+            raise RequestError(name, f"{name} must be in [-2, 2] (0 = off), not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -110,7 +139,16 @@ class Request:
     stop tokens then end a run only where the grammar is complete. ``logprobs``: score each
     emitted token under the target's own distribution (its logits before any warping or
     mask), with this many top alternatives (0..20), read off the rows the generation computed
-    anyway (``Stats.logprobs``); None: not scored."""
+    anyway (``Stats.logprobs``); None: not scored.
+
+    mlx-lm's sampling knobs (docs/sampling.md, "Penalties and processors"): ``min_p`` (0 =
+    off) with ``min_tokens_to_keep``; ``repetition_penalty`` (None or 1 = off) over the last
+    ``repetition_context_size`` tokens of the sequence, prompt included; ``presence_penalty``
+    and ``frequency_penalty`` (OpenAI's, 0 = off) over the generated tokens;
+    ``logits_processors``, callables ``(tokens, logits) -> logits`` applied in order to every
+    row with the tokens before it; ``sampler``, a callable ``logprobs -> token`` that replaces
+    temperature, top-p, top-k and min-p (and the seed: it draws with ``mx.random``'s own
+    state)."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256
@@ -128,12 +166,21 @@ class Request:
     thinking_token_budget: int | None = None
     vocab_limit: int | None = None
     logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logits_processors: tuple = ()
+    sampler: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
         object.__setattr__(self, "speculative", speculative_mode(self.speculative))
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         if self.sampling is None:
             object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None
                                else DEFAULT_SCHEME)
@@ -149,7 +196,11 @@ class Request:
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens must be at least 1, not "
                                              f"{self.max_tokens!r}")
-        check_sampling(self.temperature, self.top_p, self.top_k, self.sampling)
+        check_sampling(self.temperature, self.top_p, self.top_k, self.sampling, self.min_p,
+                       self.min_tokens_to_keep)
+        check_penalties(self.repetition_penalty, self.repetition_context_size,
+                        self.presence_penalty, self.frequency_penalty)
+        self._check_callables()
         if not _integer(self.num_draft) or not 1 <= self.num_draft <= MAX_DRAFT:
             raise RequestError("num_draft", f"num_draft must be an integer in [1, {MAX_DRAFT}], "
                                             f"not {self.num_draft!r}")
@@ -181,9 +232,26 @@ class Request:
             raise RequestError("vocab_limit", f"vocab_limit must be an integer >= 1 or None, "
                                               f"not {self.vocab_limit!r}")
 
+    def _check_callables(self):
+        if not all(callable(f) for f in self.logits_processors):
+            raise RequestError("logits_processors", "logits_processors must be a list of "
+                                                    "callables (tokens, logits) -> logits")
+        if self.sampler is None:
+            return
+        if not callable(self.sampler):
+            raise RequestError("sampler", f"sampler must be a callable logprobs -> token, not "
+                                          f"{type(self.sampler).__name__}")
+        own = [name for name, on in (("temperature", self.temperature != 0),
+                                     ("top_p", self.top_p not in (0, 1)),
+                                     ("top_k", self.top_k != 0), ("min_p", self.min_p != 0),
+                                     ("seed", self.seed is not None)) if on]
+        if own:
+            raise RequestError(own[0], f"sampler= chooses the tokens itself (with mx.random's "
+                                       f"own state): give it or {', '.join(own)}, not both")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature == 0 and self.sampler is None
 
 
 def split_stops(stop) -> tuple[tuple[str, ...], frozenset]:

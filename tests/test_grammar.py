@@ -265,7 +265,7 @@ def test_the_chi_square_test_fails_when_the_draft_distribution_is_not_the_masked
         toy, monkeypatch):
     """Drafts drawn under the mask but reported with their unmasked logits (q too small on
     the allowed tokens) bias rejection sampling: the test has teeth."""
-    from mlx_dspark.drafters import base as D
+    from mlx_dspark.decode import draw as D
     held = {}
 
     def report_unmasked(z, allowed):

@@ -3,14 +3,15 @@
     prefill  -> the prompt through the target (taps queued for the drafter), first token
     per round:
       catch up the drafter gets the taps of tokens it has not seen (prompt, serial steps)
-      draft    d1..dN = drafter.propose(bonus, N)             (+ the draft distributions)
+      draft    d1..dN = drafter.propose(bonus, N, draw)       (+ the draft distributions)
       verify   target over [bonus, d1..dN] in one pass        -> p_0..p_N, taps
       accept   coupled match (same Gumbel noise) / rejection  -> a accepted, next token
       commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
 
 A serial step is the same machinery with no drafts. The break-even controller decides, before
-each step, which of the two to run. Every row of logits, the drafter's and the target's, is
-masked by the call's constraint (constraint.py: a grammar, or the null form) before warping:
+each step, which of the two to run. Every row of logits, the drafter's and the target's, goes
+through the call's logits processors with the tokens before it (processors.py: penalties), then
+is masked by the call's constraint (constraint.py: a grammar, or the null form) before warping:
 each draft is drawn under the mask of the tokens before it, the verify pass's row i takes the
 mask after d1..di, and the constraint rolls back the drafts the target rejected.
 ``decode(session, request)`` yields tokens one at a time; the session holds every cache, the
@@ -32,11 +33,11 @@ from .. import device
 from ..request import Request
 from ..stats import Stats
 from . import budget, constraint as constraints, sampling
+from .draw import Draw
+from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
-from .sampling import Noise, Sampler, constrain
+from .sampling import constrain
 from .session import Session
-
-UNCONSTRAINED = constraints.Unconstrained()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,36 +71,34 @@ def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
     return logits[0, -1]
 
 
-def pick(logits: mx.array, sampler: Sampler, noise: Noise, position: int,
-         allowed: mx.array | None = None) -> mx.array:
-    """Choose the token at ``position`` from one row of target logits (lazy, shape []), among
-    the ``allowed`` ones under a grammar; -1 when the logits are not finite (see
-    :func:`finite`)."""
-    token = sampler.choose(constrain(logits, allowed), noise.at(position, 1, logits.shape[-1]))[0]
+def pick(run: Run, logits: mx.array, position: int, before, allowed=None) -> mx.array:
+    """Choose the token at ``position`` from one row of target logits (lazy, shape []), after
+    the tokens ``before`` (the processors'), among the ``allowed`` ones under a grammar; -1
+    when the logits are not finite (see :func:`finite`)."""
+    z = constrain(run.processors(before, logits), allowed)
+    token = run.sampler.choose(z, run.noise.at(position, 1, logits.shape[-1]))[0]
     return mx.where(mx.isfinite(logits).all(), token.astype(mx.int32), -1)
 
 
-def serial_step(session: Session, token, sampler: Sampler, noise: Noise, tap: bool,
-                constraint=UNCONSTRAINED):
+def serial_step(run: Run, token):
     """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
     the lazy next token, the taps and the row it was chosen from; the caller feeds the token
     once it has read it."""
-    position = len(session.tokens) + 1
+    session = run.session
     logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
                                        session.cache,
-                                       tap_layers=session.tap_layers if tap else None)
+                                       tap_layers=session.tap_layers if run.tap else None)
     row = logits[0, -1:]
-    return pick(row, sampler, noise, position, constraint.allowed(row)), taps, row
+    return pick(run, row, len(session.tokens) + 1, run.before(token),
+                run.constraint.allowed(row)), taps, row
 
 
-def draft(session: Session, bonus: int, n: int, sampler: Sampler, noise: mx.array | None,
-          constraint=UNCONSTRAINED):
-    """The drafter proposes d1..dn after the bonus with ``noise`` [n, V]; lazy tokens and
-    logits. Under a grammar each draft is drawn from its masked logits."""
-    return session.drafter.propose(bonus, n, temperature=sampler.temperature,
-                                   top_p=sampler.top_p, top_k=sampler.top_k, noise=noise,
-                                   cache=session.draft_cache, vocab=sampler.vocab,
-                                   constraint=constraint.drafting)
+def draft(run: Run, bonus: int, n: int, noise: mx.array | None):
+    """The drafter proposes d1..dn after the bonus with ``noise`` [n, V], drawn as the target
+    draws (one :class:`Draw`: the sampling, a grammar's masks, the processors with the
+    history); lazy tokens and logits."""
+    draw = Draw(run.sampler, noise, run.constraint.drafting, run.processors, run.before(bonus))
+    return run.session.drafter.propose(bonus, n, draw, cache=run.session.draft_cache)
 
 
 def verify(session: Session, bonus: int, drafts: mx.array):
@@ -111,7 +110,7 @@ def verify(session: Session, bonus: int, drafts: mx.array):
 
 
 def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
-           sampler: Sampler, noise: mx.array | None, key,
+           sampler: sampling.Sampler, noise: mx.array | None, key,
            allowed: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """How many drafts survive, and the token after them (docs/design.md §7 step 3), both lazy.
 
@@ -120,7 +119,7 @@ def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
     noise; rejection sampling compares the two warped distributions. ``allowed``: a grammar's
     masks of the target's rows (the drafter's are masked already)."""
     target_logits = constrain(target_logits, allowed)
-    if sampler.greedy or sampler.scheme == "reproducible":
+    if sampler.coupled:
         return sampling.accept_coupled(drafts, sampler.choose(target_logits, noise))
     return sampling.accept_rejection(drafts, sampler.warp(target_logits),
                                      sampler.warp(draft_logits), key)
@@ -155,8 +154,7 @@ class Ahead:
 def build_ahead(run: Run, token: mx.array):
     """Build and queue the serial step that feeds ``token`` (lazy), before it is read."""
     mark = run.session.cache.mark()
-    step = serial_step(run.session, token, run.sampler, run.noise, run.tap, run.constraint)
-    run.session.ahead = Ahead(*step, mark)
+    run.session.ahead = Ahead(*serial_step(run, token), mark)
     mx.async_eval(run.session.ahead.token)
 
 
@@ -178,7 +176,8 @@ def decode(session: Session, request: Request, stats: Stats | None = None) -> It
     cannot serve is refused here, before any token is asked for."""
     check(session, request)
     stats = stats if stats is not None else Stats()
-    call = Call(session, constraints.of(request, session.target.config.vocab_size))
+    call = Call(session, constraints.of(request, session.target.config.vocab_size),
+                Processors.of(request))
     undo_ahead(session)             # a generator left suspended with a step built ahead
     session.generation += 1
     call.generation = session.generation
@@ -211,7 +210,7 @@ def _first(run: Run) -> int:
     stats.reused_tokens = _shared_prefix(session, prompt)
     stats.generated = 0
     last = prefill(session, prompt, tap=run.tap)[None]
-    token = pick(last, run.sampler, run.noise, len(prompt), run.constraint.allowed(last))
+    token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
     run.score(last, [token])
@@ -261,8 +260,7 @@ def _serial(run: Run, token: int, room: int) -> int:
     ahead, session.ahead = session.ahead, None
     if ahead is None:
         t0 = time.perf_counter()
-        nxt, taps, row = serial_step(session, token, run.sampler, run.noise, run.tap,
-                                     run.constraint)
+        nxt, taps, row = serial_step(run, token)
         mx.async_eval(nxt)
     else:
         t0, nxt, taps, row = ahead.since, ahead.token, ahead.taps, ahead.row
@@ -297,12 +295,11 @@ def _round(run: Run, bonus: int, n: int) -> list[int]:
                                         or control.predicted_speedup() is None)
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
-    drafts, draft_logits = draft(session, bonus, n, sampler, None if g is None else g[:n],
-                                 run.constraint)
+    drafts, draft_logits = draft(run, bonus, n, None if g is None else g[:n])
     t1 = time.perf_counter()
     target_logits, taps = verify(session, bonus, drafts)
-    a, nxt = accept(drafts, draft_logits, target_logits, sampler, g,
-                    None if sampler.greedy else noise.next_key(),
+    a, nxt = accept(drafts, draft_logits, run.verified(target_logits, bonus, drafts), sampler,
+                    g, None if sampler.coupled else noise.next_key(),
                     run.constraint.allowed(target_logits, drafts))
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
     read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()

@@ -13,6 +13,7 @@ from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
+from .processors import Processors
 from .sampling import Noise, Sampler, log_probs
 from .session import Session
 
@@ -71,11 +72,14 @@ class StaleGenerator(RuntimeError):
 
 @dataclass
 class Call:
-    """One decode call: its session, the constraint its output follows (across the stretches
-    of a thinking budget) and the session generation it owns."""
+    """One decode call: its session, the constraint its output follows and the logits
+    processors its rows go through (both across the stretches of a thinking budget: the
+    penalties count the reply from the call's own prompt on), and the session generation it
+    owns."""
 
     session: Session
     constraint: Unconstrained | Grammatical
+    processors: Processors
     generation: int = 0
 
     def still_current(self):
@@ -108,6 +112,21 @@ class Run:
     def constraint(self) -> Unconstrained | Grammatical:
         return self.call.constraint
 
+    @property
+    def processors(self) -> Processors:
+        return self.call.processors
+
+    def before(self, *more) -> mx.array | None:
+        """The tokens before a row: the session's, then ``more`` (None without processors)."""
+        return self.processors.history(self.session.tokens, *more)
+
+    def verified(self, logits: mx.array, bonus: int, drafts: mx.array) -> mx.array:
+        """The verify rows after the processors: row i after the context, bonus, d1..di."""
+        if not self.processors:
+            return logits
+        ahead = mx.concatenate([mx.array([bonus], dtype=mx.int32), drafts.astype(mx.int32)])
+        return self.processors(self.before(), logits, ahead)
+
     @classmethod
     def start(cls, call: Call, request: Request, stats: Stats) -> "Run":
         sampler = Sampler.of(request)
@@ -118,7 +137,9 @@ class Run:
         tap = call.session.drafter is not None
         control = controller(call.session, request)
         noise = Noise(sampler, request.seed)
-        if not sampler.greedy:
+        if sampler.custom is not None:
+            stats.sampling = "sampler"          # the user's: it draws with its own state
+        elif not sampler.greedy:
             stats.sampling, stats.seed = sampler.scheme, noise.seed
         return cls(call, request, stats, sampler, noise, control, control.switches, tap,
                    tap and request.speculative != "off",

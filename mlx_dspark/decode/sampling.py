@@ -15,8 +15,10 @@ decoding is the case ``g = 0``. Two schemes choose the noise (docs/design.md §7
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -30,32 +32,70 @@ class Sampler:
     ``scheme`` (``request.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
     every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
     but reproduces only in distribution. Both are exact samplers of the warped target;
-    greedy (temperature 0) is the same in both."""
+    greedy (temperature 0) is the same in both. ``custom``: a user's ``sampler=``
+    (logprobs ``[1, V]`` -> token), which replaces the warping and the noise; drafts are then
+    kept while they equal its token for their row (as the coupled scheme)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     scheme: str = DEFAULT_SCHEME
     vocab: int | None = None    # ids at or above it are never drawn (Request.vocab_limit)
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    custom: Callable | None = None
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_p, self.top_k, self.scheme)
+        check_sampling(self.temperature, self.top_p, self.top_k, self.scheme, self.min_p,
+                       self.min_tokens_to_keep)
 
     @classmethod
     def of(cls, request: Request) -> "Sampler":
         return cls(request.temperature, request.top_p, request.top_k, request.sampling,
-                   request.vocab_limit)
+                   request.vocab_limit, request.min_p, request.min_tokens_to_keep,
+                   request.sampler)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature == 0 and self.custom is None
+
+    @property
+    def noisy(self) -> bool:
+        """Whether its draws take Gumbel noise (sampled, and not by a user's sampler)."""
+        return not self.greedy and self.custom is None
+
+    @property
+    def coupled(self) -> bool:
+        """Whether drafts are accepted while they equal the target's own token (greedy,
+        "reproducible", a user's sampler), rather than by rejection sampling."""
+        return not self.noisy or self.scheme == "reproducible"
+
+    @property
+    def settings(self) -> tuple:
+        """The warping as plain values: what a compiled draw is specialised on (and cached
+        by), in :meth:`Draw.of`'s order."""
+        return (self.temperature, self.top_p, self.top_k, self.vocab, self.min_p,
+                self.min_tokens_to_keep)
 
     def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
         """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
-        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab)
+        if self.custom is not None:
+            logp = mask_vocab(logits.astype(mx.float32), self.vocab)
+            logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+            return mx.concatenate([as_token(self.custom(logp[i:i + 1]))
+                                   for i in range(logp.shape[0])])
+        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab,
+                          self.min_p, self.min_tokens_to_keep)
 
     def warp(self, logits: mx.array) -> mx.array:
-        return warp(logits, self.temperature, self.top_p, self.top_k, self.vocab)
+        return warp(logits, self.temperature, self.top_p, self.top_k, self.vocab, self.min_p,
+                    self.min_tokens_to_keep)
+
+
+def as_token(value) -> mx.array:
+    """A user sampler's answer (an array or an int) as one int32 token ``[1]``."""
+    token = value if isinstance(value, mx.array) else mx.array(value)
+    return token.astype(mx.int32).reshape(1)
 
 
 class Noise:
@@ -76,7 +116,7 @@ class Noise:
 
     def at(self, start: int, n: int, vocab: int) -> mx.array | None:
         """Noise ``[n, vocab]`` for the tokens at positions start..start+n-1."""
-        if self.sampler.greedy:
+        if not self.sampler.noisy:
             return None
         if self.sampler.scheme == "reproducible":
             return position_noise(self.word, start, n, vocab)
@@ -92,13 +132,24 @@ def mask_vocab(logits: mx.array, vocab: int | None) -> mx.array:
 
 
 def log_warp(logits: mx.array, temperature: float, top_p: float = 1.0,
-             top_k: int = 0, vocab: int | None = None) -> mx.array:
-    """Log-probabilities (float32, last axis) after temperature, top-k and top-p; excluded
-    tokens are -inf. ``temperature > 0``. The largest logit is subtracted before dividing and
-    the maxima are kept at 0, so a tiny temperature (1e-300 is 0 in float32) gives the limit
-    (mass spread over the tied maxima, -inf elsewhere) instead of 0 / 0."""
+             top_k: int = 0, vocab: int | None = None, min_p: float = 0.0,
+             min_tokens_to_keep: int = 1) -> mx.array:
+    """Log-probabilities (float32, last axis) after min-p, temperature, top-k and top-p;
+    excluded tokens are -inf. ``temperature > 0``. The largest logit is subtracted before
+    dividing and the maxima are kept at 0, so a tiny temperature (1e-300 is 0 in float32)
+    gives the limit (mass spread over the tied maxima, -inf elsewhere) instead of 0 / 0.
+
+    ``min_p`` is mlx-lm's: a token stays when its probability *before* temperature is at
+    least ``min_p`` times the most likely one's (and the ``min_tokens_to_keep`` most likely
+    stay whatever their probability); the set does not depend on the temperature."""
     z = mask_vocab(logits.astype(mx.float32), vocab)
     z = z - z.max(axis=-1, keepdims=True)
+    if min_p > 0:
+        keep = z >= math.log(min_p)
+        if min_tokens_to_keep > 1:
+            kth = mx.sort(z, axis=-1)[..., -min(min_tokens_to_keep, z.shape[-1])][..., None]
+            keep = keep | (z >= kth)
+        z = mx.where(keep, z, -mx.inf)
     z = mx.where(z < 0, z / temperature, z)
     if top_k and top_k < z.shape[-1]:
         kth = mx.sort(z, axis=-1)[..., -top_k][..., None]
@@ -120,15 +171,16 @@ def log_warp(logits: mx.array, temperature: float, top_p: float = 1.0,
 
 
 def warp(logits: mx.array, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-         vocab: int | None = None) -> mx.array:
-    """Probabilities (float32, last axis) after temperature, top-k and top-p; ids from
+         vocab: int | None = None, min_p: float = 0.0, min_tokens_to_keep: int = 1) -> mx.array:
+    """Probabilities (float32, last axis) after min-p, temperature, top-k and top-p; ids from
     ``vocab`` on have none.
 
     ``temperature == 0`` gives the one-hot of the argmax (ties: lowest index)."""
     if temperature == 0:
         best = mx.argmax(mask_vocab(logits, vocab), axis=-1, keepdims=True)
         return (mx.arange(logits.shape[-1]) == best).astype(mx.float32)
-    return mx.exp(log_warp(logits, temperature, top_p, top_k, vocab))
+    return mx.exp(log_warp(logits, temperature, top_p, top_k, vocab, min_p,
+                           min_tokens_to_keep))
 
 
 def log_probs(rows: mx.array, tokens: mx.array, top: int):
@@ -149,12 +201,14 @@ def constrain(logits: mx.array, allowed: mx.array | None) -> mx.array:
 
 
 def gumbel_max(logits: mx.array, temperature: float, top_p: float, top_k: int,
-               noise: mx.array | None, vocab: int | None = None) -> mx.array:
+               noise: mx.array | None, vocab: int | None = None, min_p: float = 0.0,
+               min_tokens_to_keep: int = 1) -> mx.array:
     """The token of each row: ``argmax(log warp(logits) + noise)``; ``noise=None`` (greedy)
     is the plain argmax. Never an id from ``vocab`` on."""
     if noise is None:
         return mx.argmax(mask_vocab(logits, vocab), axis=-1)
-    return mx.argmax(log_warp(logits, temperature, top_p, top_k, vocab) + noise, axis=-1)
+    return mx.argmax(log_warp(logits, temperature, top_p, top_k, vocab, min_p,
+                              min_tokens_to_keep) + noise, axis=-1)
 
 
 def seed_word(seed: int) -> int:

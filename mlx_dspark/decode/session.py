@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import mlx.core as mx
 
 from .controller import Controller
+from .draw import Draw
 
 
 class Cache(Protocol):
@@ -65,14 +66,11 @@ class Drafter(Protocol):
         """Commit the taps of the ``tokens`` at positions start_pos.. (a drafter that pairs
         each hidden state with the token after it, MTP or EAGLE-3, reads ``tokens``)."""
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None, cache: Cache = None,
-                constraint=None, vocab: int | None = None):
-        """Lazy ``(tokens [n], logits [n, V])``: the drafts, drawn as
-        ``argmax(log warp(logits) + noise)`` (argmax without noise), never an id from
-        ``vocab`` on, and their logits. Under a grammar, ``constraint(j, prev)`` gives the
-        allowed tokens of row j (after the draft ``prev``); each row is masked before it is
-        drawn and returned masked."""
+    def propose(self, bonus, n: int, draw: Draw | None = None, cache: Cache = None):
+        """Lazy ``(tokens [n], logits [n, V])``: the drafts, each drawn as ``draw`` says
+        (decode/draw.py: its logits through the processors with the tokens before it, a
+        grammar's mask, then ``argmax(log warp(logits) + noise)``, argmax without noise, never
+        an id from the vocab limit on; None: greedy), and the logits they were drawn from."""
 
 
 @dataclass

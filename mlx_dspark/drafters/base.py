@@ -9,10 +9,11 @@ draft follows another; the rest is here, once:
   taps into the kind's rows (``features``), pairs each with the token after it when the kind
   reads tokens (``pairs_tokens``: the newest row waits in ``cache.last``), and hands the rows to
   the kind (``context_rows``).
-* ``propose(bonus, n, ...)`` (:meth:`DrafterBase.propose`): the sampling options, the noise and
-  a grammar's constraint become one :class:`Draw`, and the kind's ``draft`` runs its rows
-  through :meth:`Draw.chain`: row logits, then the grammar's mask, then Gumbel-max (argmax when
-  greedy), then the next row.
+* ``propose(bonus, n, draw)`` (:meth:`DrafterBase.propose`): the loop hands one
+  :class:`~mlx_dspark.decode.draw.Draw` (the request's sampling, the noise, a grammar's
+  constraint, the logits processors and the history before the first draft), and the kind's
+  ``draft`` runs its rows through :meth:`Draw.chain`: row logits, then the processors, then the
+  grammar's mask, then Gumbel-max (argmax when greedy), then the next row.
 * ``load(source, target, *, dtype, verify, verbose, nvfp4)`` in each kind's module (registered
   in drafters/__init__.py): :func:`read_converted` and :func:`draft_dtype` for the shared steps.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -29,56 +29,12 @@ import mlx.nn as nn
 
 from ..checkpoint.integrity import check_checkpoint
 from ..converter.layout import LAYOUT
-from ..decode.sampling import constrain, gumbel_max
+from ..decode.draw import Draw
 from ..models.nemotron_h import compute_dtype
 from ..models.weights import CheckpointError, _embedding_identical, read_weights, shared_embedding
 
 DrafterError = CheckpointError
 """A drafter checkpoint that cannot be used (bad file, unsupported variant, wrong target)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Drawing
-
-
-@dataclass(frozen=True)
-class Draw:
-    """How each draft is drawn: the warping (``temperature``, ``top_p``, ``top_k``; never an id
-    from ``vocab`` on), the Gumbel noise ``[n, V]`` of the drafted rows (None: greedy, the
-    argmax), and a grammar's ``constraint(j, prev)``: the allowed tokens of row ``j`` after the
-    token ``prev`` (grammar.Constraint.drafting; None: no grammar)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    vocab: int | None = None
-    noise: mx.array | None = None
-    constraint: Callable | None = None
-
-    @property
-    def settings(self) -> tuple:
-        """The options a compiled draw is specialised on (what it is cached by)."""
-        return self.temperature, self.top_p, self.top_k, self.vocab
-
-    def __call__(self, j: int, z: mx.array, prev: mx.array) -> tuple[mx.array, mx.array]:
-        """Row ``j``: its logits ``z [1, V]`` masked by the grammar after ``prev``, and the token
-        ``argmax(log warp(z) + noise[j])`` drawn from them: ``(token [1], z as drawn)``."""
-        if self.constraint is not None:
-            z = constrain(z, self.constraint(j, prev))
-        g = None if self.noise is None else self.noise[j:j + 1]
-        return gumbel_max(z, self.temperature, self.top_p, self.top_k, g, self.vocab) \
-            .astype(mx.int32), z
-
-    def chain(self, row: Callable, bonus: mx.array, n: int) -> tuple[mx.array, mx.array]:
-        """The ``n`` drafts after ``bonus [1]``: ``row(j, prev)`` gives the logits ``[1, V]`` of
-        draft ``j`` after the token drawn before it, which is drawn and feeds the next row.
-        Lazy ``(tokens [n], logits [n, V])``, the logits each token was drawn from."""
-        prev, tokens, logits = bonus, [], []
-        for j in range(n):
-            prev, z = self(j, row(j, prev), prev)
-            tokens.append(prev)
-            logits.append(z)
-        return mx.concatenate(tokens), mx.concatenate(logits)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,26 +143,31 @@ class DrafterBase(OwnCache, nn.Module):
             self.context_rows(rows, ids, pos0, cache)
         cache.length = end                      # the skipped tokens count too
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise: mx.array | None = None, cache=None, constraint=None,
-                vocab: int | None = None):
+    def propose(self, bonus, n: int, draw: Draw | None = None, cache=None, **options):
         """Draft ``n`` tokens after ``bonus``, which sits at the position after ``cache``'s
-        context (default: the drafter's own cache).
+        context (default: the drafter's own cache), each drawn as ``draw`` says
+        (decode/draw.py; None: greedy). A caller using the drafter alone may give the draw's
+        warping and noise as keywords instead (``temperature=``, ``top_p=``, ``top_k=``,
+        ``vocab=``, ``min_p=``, ``noise=``, ``constraint=``: :meth:`Draw.of`).
 
         ``d_j = argmax(log warp(z_j) + noise[j-1])`` (``sampling.gumbel_max``): with Gumbel
         noise ``[n, V]`` a sample from the warped draft distribution, without (greedy) the
         argmax, never an id from ``vocab`` on. Returns lazy ``tokens [n]`` and ``logits [n,
-        V]``: the logits each token was drawn from (warp them with ``sampling.warp`` for the
-        distribution). ``constraint(j, prev)`` (a grammar, grammar.Constraint.drafting): the
-        allowed tokens of row ``j`` given the token drawn before it; the row is drawn from its
-        logits masked (sampling.constrain), and the masked logits are returned."""
+        V]``: the logits each token was drawn from, after the processors and a grammar's mask
+        (warp them with ``sampling.warp`` for the distribution)."""
         cache = self._cache(cache)
         if not 1 <= n <= self.max_draft:
             raise ValueError(f"n={n}: the {self.label} drafter drafts 1..{self.max_draft} "
                              f"tokens")
         if self.pairs_tokens and cache.last is None:
             raise ValueError("propose() before any context")
-        draw = Draw(temperature, top_p, top_k, vocab, noise, constraint)
+        if draw is not None and not isinstance(draw, Draw):
+            raise TypeError(f"propose(bonus, n, draw): draw is a decode.draw.Draw, not "
+                            f"{type(draw).__name__} (give the warping as keywords)")
+        if draw is None or options:
+            if draw is not None:
+                raise TypeError("propose() takes a draw or its options as keywords, not both")
+            draw = Draw.of(**options)
         return self.draft(mx.array(bonus, dtype=mx.int32).reshape(1), n, draw, cache)
 
 

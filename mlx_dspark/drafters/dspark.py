@@ -215,9 +215,10 @@ class DSparkDrafter(DrafterBase):
     def draft(self, bonus, n: int, draw: Draw, cache: "DrafterCache"):
         """The block's ``U``, then the Markov chain: ``z_j = U_j + W2 W1[prev]``, each row
         corrected by the token drawn before it. Compiled per sampling setting (its shapes are
-        fixed for an n), except under a grammar, which reads each draft back."""
+        fixed for an n), except under a grammar (which reads each draft back), processors or a
+        user's sampler (Python callables)."""
         u = self.block_logits(bonus, n, cache)
-        if draw.constraint is not None:
+        if not draw.compiled:
             return self._markov(u, bonus, draw)
         return self._draws(draw.settings, u, bonus, draw.noise, *draw.settings)
 
@@ -225,8 +226,8 @@ class DSparkDrafter(DrafterBase):
         return draw.chain(lambda j, prev: u[j:j + 1] + self.markov_head(prev), bonus,
                           u.shape[0])
 
-    def _compiled_draws(self, u, bonus, noise, temperature, top_p, top_k, vocab):
-        return self._markov(u, bonus, Draw(temperature, top_p, top_k, vocab, noise))
+    def _compiled_draws(self, u, bonus, noise, *settings):
+        return self._markov(u, bonus, Draw.of(*settings, noise=noise))
 
 
 class DrafterCache:

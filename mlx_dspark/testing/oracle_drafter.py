@@ -16,8 +16,12 @@ can choose, which slows down with the machine's load like real drafting does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
+
+from ..decode.draw import Draw
 
 
 class OracleDrafter:
@@ -52,12 +56,11 @@ class OracleDrafter:
         if self.inner is not None:
             self.inner.add_context(taps, start_pos, cache.inner, tokens)
 
-    def propose(self, bonus, n: int, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, noise=None, cache: "OracleCache" = None, constraint=None,
-                vocab=None):
-        if self.inner is not None:
-            mx.eval(self.inner.propose(bonus, n, temperature, top_p, top_k, noise,
-                                       cache.inner, vocab=vocab))
+    def propose(self, bonus, n: int, draw: Draw | None = None, cache: "OracleCache" = None):
+        draw = draw if draw is not None else Draw()
+        constraint = draw.constraint
+        if self.inner is not None:       # its cost, without the grammar's per-row reads
+            mx.eval(self.inner.propose(bonus, n, replace(draw, constraint=None), cache.inner))
         if self.draft_work is not None:
             self.draft_work()
         tokens = []
