@@ -313,7 +313,11 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                  chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None, response_format: dict | None = None,
                  grammar=None, logprobs: int | None = None,
-                 split_thinking: bool = True) -> Request:
+                 split_thinking: bool = True, min_p: float = 0.0,
+                 min_tokens_to_keep: int = 1, repetition_penalty: float | None = None,
+                 repetition_context_size: int = 20, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+                 logits_processors=(), sampler=None) -> Request:
     """The :class:`Request` that ``stream_generate``'s keywords describe (the prompt encoded,
     the tokenizer's eos ids among the stop tokens, the grammar bound to the tokenizer, ids
     the tokenizer cannot decode never drawn). ``split_thinking=False``: a prompt that opens
@@ -335,7 +339,12 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    thinking=thinking_of(pair.tokenizer, prompt) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    vocab_limit=pair.decodable,
-                   grammar=constraint_of(pair, prompt, response_format, grammar))
+                   grammar=constraint_of(pair, prompt, response_format, grammar),
+                   min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+                   repetition_penalty=repetition_penalty,
+                   repetition_context_size=repetition_context_size,
+                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                   logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler)
 
 
 def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
@@ -375,7 +384,7 @@ def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
 # mlx-lm's keywords (and the draft model's), and how they are spelled here.
 MLX_LM_KEYWORDS = {
     "temp": "temperature=", "draft_model": "md.load(model, drafter)",
-    "num_draft_tokens": "num_draft=", "sampler": "temperature=, top_p=, top_k=",
+    "num_draft_tokens": "num_draft=",
     "prompt_cache": "session=pair.session()", "formatter": "stream_generate()",
 }
 
@@ -426,6 +435,15 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     warped target (docs/sampling.md). The default is "reproducible" when a ``seed`` is given,
     else "rejection". Greedy decoding is the same in both. The seed used, given or drawn, is
     ``stats.seed``.
+
+    mlx-lm's knobs, exact under speculation (docs/sampling.md, "Penalties and processors"):
+    ``min_p`` (with ``min_tokens_to_keep``), ``repetition_penalty`` over the last
+    ``repetition_context_size`` tokens (20; prompt included), ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, over the generated tokens), ``logit_bias`` ({id: bias},
+    added to the logits), ``logits_processors`` (a list
+    of ``(tokens, logits) -> logits``, applied to every row, the drafter's and the target's,
+    with the tokens before it) and ``sampler`` (``logprobs -> token``, instead of the
+    temperature, top-p, top-k, min-p and seed; drafts are kept while they equal its token).
 
     ``logprobs``: score each token under the target's own distribution with this many top
     alternatives (0..20), read off the rows the generation computed; the last chunk's

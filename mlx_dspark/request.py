@@ -145,7 +145,8 @@ class Request:
     off) with ``min_tokens_to_keep``; ``repetition_penalty`` (None or 1 = off) over the last
     ``repetition_context_size`` tokens of the sequence, prompt included; ``presence_penalty``
     and ``frequency_penalty`` (OpenAI's, 0 = off) over the generated tokens;
-    ``logits_processors``, callables ``(tokens, logits) -> logits`` applied in order to every
+    ``logit_bias`` ({id: bias}, OpenAI's and mlx-lm's, added to the logits; kept as sorted
+    pairs); ``logits_processors``, callables ``(tokens, logits) -> logits`` applied in order to every
     row with the tokens before it; ``sampler``, a callable ``logprobs -> token`` that replaces
     temperature, top-p, top-k and min-p (and the seed: it draws with ``mx.random``'s own
     state)."""
@@ -172,6 +173,7 @@ class Request:
     repetition_context_size: int = 20
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
     logits_processors: tuple = ()
     sampler: object = None
 
@@ -181,6 +183,7 @@ class Request:
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         if self.sampling is None:
             object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None
                                else DEFAULT_SCHEME)
@@ -252,6 +255,23 @@ class Request:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 and self.sampler is None
+
+
+def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a dict {token id: bias}, or its pairs) as sorted ``(id, bias)`` pairs;
+    RequestError unless every id is an integer >= 0 and every bias a finite number."""
+    if bias is None:
+        return ()
+    try:
+        pairs = sorted((dict(bias)).items())
+    except (TypeError, ValueError):
+        raise RequestError("logit_bias", f"logit_bias must map token ids to numbers, not "
+                                         f"{bias!r}") from None
+    for token, value in pairs:
+        if not _integer(token) or token < 0 or not _number(value) or not math.isfinite(value):
+            raise RequestError("logit_bias", f"logit_bias maps token ids (integers >= 0) to "
+                                             f"finite numbers, not {token!r}: {value!r}")
+    return tuple((token, float(value)) for token, value in pairs)
 
 
 def split_stops(stop) -> tuple[tuple[str, ...], frozenset]:

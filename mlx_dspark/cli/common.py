@@ -11,7 +11,8 @@ import signal
 import sys
 
 from ..checkpoint.integrity import VERIFY_LEVELS
-from ..request import DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError, check_sampling
+from ..request import DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError, \
+    check_penalties, check_sampling
 
 
 class CommandError(Exception):
@@ -97,6 +98,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                         "one, shown by --stats); gives the same text in every --speculative "
                         "mode (unless --sampling rejection: then in the same mode)")
     add_scheme_argument(p)
+    add_penalty_arguments(p)
     p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
                    help="tokens the drafter proposes per round (default 3)")
     p.add_argument("--speculative", choices=MODES, default="auto",
@@ -107,6 +109,29 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="most tokens the model thinks before the engine closes its thinking "
                         "block and it answers (default: no cap)")
     add_template_arguments(p)
+
+
+def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
+    """mlx-lm's min-p and repetition penalty flags, and OpenAI's presence and frequency
+    penalties (docs/sampling.md, "Penalties and processors"); all exact under speculation."""
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="keep tokens at least P times as likely as the most likely (0 = off)")
+    p.add_argument("--min-tokens-to-keep", type=int, default=1, metavar="N",
+                   help="tokens --min-p never filters out (default 1)")
+    p.add_argument("--repetition-penalty", type=float, metavar="R",
+                   help="divide the logits of recent tokens by R (> 1 repeats less; off "
+                        "without it)")
+    p.add_argument("--repetition-context-size", type=int, default=20, metavar="N",
+                   help="the recent tokens --repetition-penalty looks at, prompt included "
+                        "(default 20)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
+                   help="subtract A from the logit of every token generated so far (-2..2)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
+                   help="subtract A per time a token was generated so far (-2..2)")
+
+
+PENALTY_FLAGS = ("min_p", "min_tokens_to_keep", "repetition_penalty", "repetition_context_size",
+                 "presence_penalty", "frequency_penalty")
 
 
 def add_template_arguments(p: argparse.ArgumentParser) -> None:
@@ -197,7 +222,11 @@ def load_pair(args: argparse.Namespace):
     if hasattr(args, "sampling"):      # generate, chat, bench (serve checks its own defaults)
         try:
             check_sampling(args.temp, args.top_p, getattr(args, "top_k", 0),
-                           args.sampling or DEFAULT_SCHEME)
+                           args.sampling or DEFAULT_SCHEME, getattr(args, "min_p", 0.0),
+                           getattr(args, "min_tokens_to_keep", 1))
+            if hasattr(args, "repetition_penalty"):     # generate, chat
+                check_penalties(args.repetition_penalty, args.repetition_context_size,
+                                args.presence_penalty, args.frequency_penalty)
         except RequestError as e:
             raise flag_error(e) from None
 
@@ -232,7 +261,8 @@ def request_options(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, num_draft=args.num_draft,
                 speculative=args.speculative, sampling=args.sampling,
-                thinking_token_budget=args.thinking_token_budget)
+                thinking_token_budget=args.thinking_token_budget,
+                **{name: getattr(args, name) for name in PENALTY_FLAGS})
 
 
 def flag_error(e: ValueError) -> CommandError:

@@ -25,6 +25,16 @@ def counts(tokens: mx.array, vocab: int) -> mx.array:
     return zeros if tokens.size == 0 else zeros.at[tokens].add(1.0)
 
 
+def bias(pairs):
+    """OpenAI's (and mlx-lm's) ``logit_bias``: ``(id, bias)`` pairs added to the logits."""
+    ids = mx.array([t for t, _ in pairs], dtype=mx.int32)
+    values = mx.array([b for _, b in pairs], dtype=mx.float32)
+
+    def process(tokens, logits):
+        return logits.at[:, ids].add(values)
+    return process
+
+
 def repetition(penalty: float, context_size: int):
     """mlx-lm's repetition penalty (CTRL, Keskar et al. 2019) over the last ``context_size``
     tokens, prompt included."""
@@ -44,8 +54,8 @@ def occurrence(presence: float, frequency: float, start: int):
 
 
 class Processors:
-    """One decode call's processors: the request's penalties, then its ``logits_processors``
-    in order. Falsy when there are none (the loop then passes no history)."""
+    """One decode call's processors: the request's logit bias and penalties, then its
+    ``logits_processors`` in order. Falsy when there are none (the loop then passes no history)."""
 
     def __init__(self, funcs=()):
         self.funcs = tuple(funcs)
@@ -53,7 +63,7 @@ class Processors:
 
     @classmethod
     def of(cls, request) -> "Processors":
-        funcs = []
+        funcs = [bias(request.logit_bias)] if request.logit_bias else []
         if request.repetition_penalty not in (None, 1):
             funcs.append(repetition(request.repetition_penalty,
                                     request.repetition_context_size))

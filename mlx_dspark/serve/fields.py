@@ -19,7 +19,8 @@ from __future__ import annotations
 from .errors import ApiError
 
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-            "stream", "stream_options"}
+            "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
+            "repetition_penalty", "repetition_context_size", "min_p"}
 _MESSAGES = {"model", "messages", "system", "tools", "tool_choice", "thinking",
              "output_config"}
 HONOURED = {
@@ -66,10 +67,12 @@ ACCEPTED = {
 
 # name -> (is this value harmless?, what the 400 says otherwise)
 CONDITIONAL = {
-    "frequency_penalty": (lambda v: v == 0, "must be 0 (penalties are not supported)"),
-    "presence_penalty": (lambda v: v == 0, "must be 0 (penalties are not supported)"),
-    "logit_bias": (lambda v: v == {}, "must be empty: a logit bias would change the output "
-                                      "and is not supported"),
+    "frequency_penalty": (lambda v: v == 0, "must be 0 on this endpoint (chat and completions "
+                                            "honour penalties)"),
+    "presence_penalty": (lambda v: v == 0, "must be 0 on this endpoint (chat and completions "
+                                           "honour penalties)"),
+    "logit_bias": (lambda v: v == {}, "must be empty on this endpoint (chat and completions "
+                                      "honour a logit bias)"),
     "modalities": (lambda v: v == ["text"], "must be [\"text\"]: this model writes text only"),
     "context_management": (
         lambda v: isinstance(v, dict) and all(

@@ -140,7 +140,46 @@ def sampling_options(body: dict, default_max_tokens: int | None,
                 temperature=float(temperature if temperature is not None
                                   else defaults.temperature),
                 top_p=float(top_p if top_p is not None else defaults.top_p),
-                top_k=top_k if top_k is not None else defaults.top_k, seed=seed, stop=stop)
+                top_k=top_k if top_k is not None else defaults.top_k, seed=seed, stop=stop,
+                **penalty_options(body))
+
+
+def penalty_options(body: dict) -> dict:
+    """api.make_request keywords from the penalty fields a body sets: OpenAI's
+    ``presence_penalty``, ``frequency_penalty`` (-2..2) and ``logit_bias`` (token id strings
+    to -100..100), mlx-lm's server's ``repetition_penalty``, ``repetition_context_size`` and
+    ``min_p``; each honoured exactly under speculation (docs/sampling.md)."""
+    num = (int, float)
+    checks = {
+        "presence_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        "frequency_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        "repetition_penalty": (num, lambda v: 0 < v < math.inf, "a number > 0 (1 = off)"),
+        "repetition_context_size": ((int,), lambda v: v >= 1, "at least 1"),
+        "min_p": (num, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    }
+    out = {}
+    for name, (kinds, check, what) in checks.items():
+        value = _get(body, name, kinds, check, what)
+        if value is not None:
+            out[name] = value
+    bias = _get(body, "logit_bias", (dict,))
+    if bias:
+        out["logit_bias"] = token_biases(bias)
+    return out
+
+
+def token_biases(bias: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` object (token ids as strings) as {id: bias}; a 400 naming it
+    unless every key is an id and every value a number in [-100, 100]."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise ApiError(f"'logit_bias' maps token ids (strings of digits) to numbers "
+                           f"between -100 and 100, not {key!r}: {json.dumps(value)[:40]}",
+                           "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def stop_strings(stops: list, name: str) -> list[str]:
