@@ -71,9 +71,10 @@ def test_an_informational_field_is_accepted_on_every_endpoint(c, path, name):
     assert r.status_code == 200, r.text
 
 
-REFUSED = [(CHAT, {"logit_bias": {"5": 1}}, "logit_bias"),
+REFUSED = [(CHAT, {"logit_bias": {"5": 1000}}, "logit_bias"),
            (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
-           (CHAT, {"frequency_penalty": 0.5}, "frequency_penalty"),
+           (CHAT, {"frequency_penalty": 2.5}, "frequency_penalty"),
+           (RESPONSES, {"frequency_penalty": 0.5}, "frequency_penalty"),
            (CHAT, {"web_search_options": {}}, "web_search_options"),
            (MESSAGES, {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
             "context_management"),

@@ -289,9 +289,9 @@ def test_the_anthropic_endpoint_wants_the_key_and_answers_errors_in_its_shape(de
 CHAT = [{"role": "user", "content": "hi"}]
 REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
-    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("/v1/chat/completions", {"parallel_tool_calls": "no", "tools": [WEATHER]},
      "parallel_tool_calls"),
     ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),

@@ -423,11 +423,27 @@ def test_triple_quoted_message_keeps_its_lines_and_indentation(monkeypatch):
 
 @pytest.mark.parametrize("argv,name", [
     (["--temp", "-1"], "--temp"), (["--temp", "nan"], "--temp"), (["--top-p", "1.5"], "--top-p"),
-    (["--top-k", "-3"], "--top-k")])
+    (["--top-k", "-3"], "--top-k"), (["--min-p", "2"], "--min-p"),
+    (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--repetition-context-size", "0"], "--repetition-context-size"),
+    (["--presence-penalty", "3"], "--presence-penalty"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty")])
 def test_nonsense_sampling_options_are_one_line_before_loading(capsys, argv, name):
     # /nonexistent is never reached: the options are checked before the model is loaded
     err = one_line_error(capsys, ["generate", "--model", "/nonexistent", "-p", "x", *argv])
     assert err.startswith(f"mlx-dspark generate: error: {name} must")
+
+
+def test_penalty_flags_reach_the_request_and_give_serial_text_when_speculating(pair):
+    base = ["generate", *pair, "-p", "def f(x):", "--max-tokens", "24",
+            "--ignore-chat-template"]
+    flags = ["--repetition-penalty", "1.5", "--repetition-context-size", "8",
+             "--presence-penalty", "0.5", "--frequency-penalty", "0.3", "--min-p", "0.1"]
+    outs = [run(*base, *flags, "--speculative", mode) for mode in ("on", "off")]
+    assert all(p.returncode == 0 for p in outs), outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout
+    assert run(*base, "--speculative", "off").stdout != outs[1].stdout
 
 
 def test_a_seed_reproduces_generate_output_with_and_without_speculation(pair):

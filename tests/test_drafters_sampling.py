@@ -30,7 +30,12 @@ def exact_triples(target) -> np.ndarray:
         z = np.array(target(mx.array([PROMPT + list(prefix)]))[0, -1], np.float64)
         p = np.exp(z - z.max())
         return p / p.sum()
+    return triples(probs)
 
+
+def triples(probs) -> np.ndarray:
+    """The probability of every first three tokens ``[V, V, V]``, from ``probs(prefix)``, the
+    distribution of the token after the prompt and ``prefix``."""
     out = np.zeros((V, V, V))
     p1 = probs(())
     for a in range(V):

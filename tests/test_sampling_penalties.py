@@ -26,6 +26,7 @@ from mlx_dspark.request import Request, RequestError
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+from test_drafters_sampling import triples
 from test_sampling_acceptance import chi2_pvalue
 
 PROMPT = [3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2]
@@ -254,9 +255,9 @@ def test_seeded_reproducible_sampling_with_min_p_and_penalties_is_the_same_in_ev
 # ---------------------------------------------------------------------------------------------
 # rejection sampling: the penalised, min-p-filtered target in distribution
 
-V, SHORT, DRAWS = 6, [1, 4, 2, 5, 3], 800
+V, SHORT, DRAWS = 6, [1, 4, 2, 5, 3], 800      # V: test_drafters_sampling's, as triples takes
 SAMPLED = dict(temperature=1.0, min_p=0.02, repetition_penalty=2.0,
-               repetition_context_size=3, presence_penalty=0.8, frequency_penalty=0.5)
+               repetition_context_size=3, presence_penalty=2.0, frequency_penalty=1.5)
 
 
 def exact_triples(small) -> np.ndarray:
@@ -266,14 +267,7 @@ def exact_triples(small) -> np.ndarray:
         z = penalised64(z, seq, len(SHORT), **{k: v for k, v in SAMPLED.items()
                                                 if k not in ("temperature", "min_p")})
         return min_p64(z, SAMPLED["temperature"], SAMPLED["min_p"])
-
-    out = np.zeros((V, V, V))
-    p1 = probs(())
-    for a in range(V):
-        p2 = probs((a,))
-        for b in range(V):
-            out[a, b] = p1[a] * p2[b] * probs((a, b))
-    return out
+    return triples(probs)
 
 
 def first_three_pvalue(draws=DRAWS) -> float:
