@@ -49,7 +49,7 @@ class Stats(Mapping):
     peak_memory_gb: float | None = None     # MLX's allocator, 10^9 bytes (set at the end)
     peak_rss_gb: float | None = None        # the process's peak resident set (set at the end)
     generations: int = 1          # how many generations these counts sum (Stats.total)
-    sampling: str | None = None   # the scheme of a sampled run (None: greedy)
+    sampling: str | None = None   # the scheme of a sampled run ("sampler": a user's; None: greedy)
     seed: int | None = None       # the seed a sampled run used, given or drawn
     # (token, logprob, [(id, logprob), ...]) per emitted token when the request asks
     # (Request.logprobs), set with the last token; shared by the snapshots, not printed
@@ -216,7 +216,8 @@ def format_stats(stats: Stats) -> list[str]:
         f"finish: {stats.finish_reason}",
     ]
     if stats.sampling is not None:
-        lines.insert(1, f"sampling: {stats.sampling}, seed {stats.seed}")
+        seed = "" if stats.seed is None else f", seed {stats.seed}"    # a user's sampler: none
+        lines.insert(1, f"sampling: {stats.sampling}{seed}")
     if stats.peak_memory_gb is not None:
         lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB (MLX), process peak RSS "
                      f"{stats.peak_rss_gb:.3f} GB")
