@@ -146,10 +146,10 @@ class Request:
     ``repetition_context_size`` tokens of the sequence, prompt included; ``presence_penalty``
     and ``frequency_penalty`` (OpenAI's, 0 = off) over the generated tokens;
     ``logit_bias`` ({id: bias}, OpenAI's and mlx-lm's, added to the logits; kept as sorted
-    pairs); ``logits_processors``, callables ``(tokens, logits) -> logits`` applied in order to every
-    row with the tokens before it; ``sampler``, a callable ``logprobs -> token`` that replaces
-    temperature, top-p, top-k and min-p (and the seed: it draws with ``mx.random``'s own
-    state)."""
+    pairs); ``logits_processors``, callables ``(tokens, logits) -> logits`` applied in order
+    to every row with the tokens before it; ``sampler``, a callable ``logprobs -> token`` that
+    replaces temperature, top-p, top-k and min-p (and the seed: it draws with ``mx.random``'s
+    own state)."""
 
     prompt: tuple[int, ...]
     max_tokens: int = 256
@@ -182,7 +182,11 @@ class Request:
         object.__setattr__(self, "speculative", speculative_mode(self.speculative))
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        if not isinstance(self.logits_processors, (list, tuple)):
+            raise RequestError("logits_processors", f"logits_processors must be a list of "
+                                                    f"callables (tokens, logits) -> logits, not "
+                                                    f"{type(self.logits_processors).__name__}")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         if self.sampling is None:
             object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None

@@ -333,7 +333,8 @@ def test_penalised_greedy_on_the_demo_pair_is_serial_greedy_with_every_drafter_k
     (dict(frequency_penalty=float("inf")), "frequency_penalty"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
-    (dict(logits_processors=[1]), "logits_processors"), (dict(sampler=3), "sampler"),
+    (dict(logits_processors=[1]), "logits_processors"),
+    (dict(logits_processors=second_choice), "logits_processors"), (dict(sampler=3), "sampler"),
     (dict(sampler=second_choice, temperature=0.7), "temperature"),
     (dict(sampler=second_choice, seed=1), "seed"),
 ])

@@ -8,12 +8,10 @@ them (Responses, Messages) still refuse a non-zero one. On the demo pair, specul
 from __future__ import annotations
 
 import pytest
-from starlette.testclient import TestClient
 
 import mlx_dspark as md
 from agent_helpers import client, scripted_engine, submitted
-from mlx_dspark.serve.app import create_app
-from mlx_dspark.serve.engine import Engine
+from server_helpers import app_client, started_engine
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 BASE = {CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
@@ -71,16 +69,10 @@ def test_a_penalised_completion_is_the_serial_text_while_speculating():
     pair = md.load()
     prompt, options = "def fibonacci(n):\n", dict(repetition_penalty=1.4, presence_penalty=0.6,
                                                  frequency_penalty=0.2, min_p=0.1)
-    engine = Engine(lambda: pair, max_queue=2, cache_bytes=0)
-    engine.start()
-    try:
-        server = TestClient(create_app(engine, "m", defaults={"speculative": "on",
-                                                              "num_draft": 3}),
-                            base_url="http://localhost")
+    for engine in started_engine(lambda: pair, max_queue=2):
+        server = app_client(engine, "m", defaults={"speculative": "on", "num_draft": 3})
         got = server.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 30,
                                              "temperature": 0, **options}).json()
-    finally:
-        engine.stop()
     want = md.generate(pair, prompt, max_tokens=30, speculative="off", **options)
     assert got["choices"][0]["text"] == want.text
     assert want.text != md.generate(pair, prompt, max_tokens=30, speculative="off").text
