@@ -14,15 +14,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def window_mask(q_pos: mx.array, k_pos: mx.array, window: int | None) -> mx.array:
+def window_mask(q_pos: mx.array, k_pos: mx.array, window: int | None,
+                causal: bool = True) -> mx.array:
     """Boolean ``[Tq, Tk]``: query at position ``q`` sees key ``k`` iff ``k <= q`` and ``k`` is
     among the last ``window`` positions up to and including ``q`` (``q - window < k``).
-    ``window=None`` is plain causal attention."""
+    ``window=None`` is plain causal attention. ``causal=False`` (a DFlash block) also lets a
+    query see the keys after it, within ``window`` of it (``k < q + window``)."""
     q = q_pos[:, None]
     k = k_pos[None, :]
-    visible = k <= q
+    visible = k <= q if causal else mx.full((q_pos.size, k_pos.size), True)
     if window is not None:
         visible = visible & (k > q - window)
+        if not causal:
+            visible = visible & (k < q + window)
     return visible
 
 

@@ -1,6 +1,6 @@
 """Greedy speculation with every drafter reproduces serial greedy decoding token for token:
-DSpark, the target's MTP block, and EAGLE-3 heads (sharing the target's embedding or with
-their own), each with random weights (so rejections at every position), for N = 1..7; and a
+DSpark, DFlash, the target's MTP block, and EAGLE-3 heads (sharing the target's embedding or
+with their own), each with random weights (so rejections at every position), for N = 1..7; and a
 session snapshot (the server's prefix cache) restores each drafter's context."""
 
 import pytest
@@ -10,11 +10,13 @@ from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
+                                    tiny_target)
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2], [5], list(range(1, 30))]
 DRAFTERS = {
     "dspark": lambda t: random_drafter(t),
+    "dflash": lambda t: random_dflash(t, seed=4),
     "mtp": lambda t: random_mtp(t, seed=2),
     "eagle3": lambda t: random_eagle3(t, seed=3),
     "eagle3-own-embedding": lambda t: random_eagle3(t, seed=3, own_embedding=True),

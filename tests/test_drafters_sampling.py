@@ -1,4 +1,4 @@
-"""Sampling with every drafter (DSpark, the MTP block, an EAGLE-3 head with a reduced draft
+"""Sampling with every drafter (DSpark, DFlash, the MTP block, an EAGLE-3 head with a reduced draft
 vocabulary) reproduces the target's distribution: the first three tokens the whole loop emits
 (prefill, then speculative rounds with rollback) are counted over many seeds and compared by
 chi-square with the exact probabilities, computed from full target forwards in float64.
@@ -14,7 +14,8 @@ import pytest
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
-from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
+                                    tiny_target)
 from test_sampling_acceptance import chi2_pvalue
 
 V, PROMPT, DRAWS = 6, [1, 4, 2, 5, 3], 800
@@ -47,6 +48,7 @@ def triples(probs) -> np.ndarray:
 
 DRAFTERS = {
     "dspark": lambda t: random_drafter(t, tap_layers=(1, 3)),
+    "dflash": lambda t: random_dflash(t, tap_layers=(1, 3)),
     "mtp": lambda t: random_mtp(t),
     "eagle3": lambda t: random_eagle3(t, draft_vocab=4, aux=(1, 3, 5)),
 }

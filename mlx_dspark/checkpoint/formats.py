@@ -53,8 +53,9 @@ def check_target_config(raw: dict, path) -> dict:
     """``raw`` when it configures a Nemotron-H target, else ValueError in one line."""
     archs = raw.get("architectures") or []
     kind = raw.get("model_type")
-    if "dflash_config" in raw or any("DSpark" in str(a) for a in archs):
-        raise ValueError(f"{path}: a DSpark drafter, not a target model; pass it as --drafter "
+    if "dflash_config" in raw or any("DSpark" in str(a) or "DFlash" in str(a) for a in archs):
+        which = "DFlash" if any("DFlash" in str(a) for a in archs) else "DSpark"
+        raise ValueError(f"{path}: a {which} drafter, not a target model; pass it as --drafter "
                          f"(drafter= in md.load) next to its Nemotron-H --model")
     if any("Eagle3" in str(a) for a in archs):
         raise ValueError(f"{path}: an EAGLE-3 head, not a target model; pass it as --drafter "

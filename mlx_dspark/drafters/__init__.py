@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import dspark, eagle3, mtp
+from . import dflash, dspark, eagle3, mtp
 from .base import DrafterError
 
 
@@ -29,6 +29,7 @@ KINDS = {kind.name: kind for kind in (
     Kind("dspark", dspark.ARCHITECTURES, dspark.load, demo="drafter"),
     Kind("mtp", (), mtp.load),
     Kind("eagle3", eagle3.ARCHITECTURES, eagle3.load, demo="eagle3"),
+    Kind("dflash", dflash.ARCHITECTURES, dflash.load, demo="dflash"),
 )}
 
 NAMES = tuple(KINDS)
@@ -84,7 +85,7 @@ def kind_of(path: str) -> Kind:
 def load_drafter(source, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
                  nvfp4: str | None = None):
     """The drafter ``source`` names for ``target``, passed through the weight-load gate:
-    a kind's name (``"mtp"``: the target's own block; ``"dspark"``, ``"eagle3"``: the embedded
+    a kind's name (``"mtp"``: the target's own block; ``"dspark"``, ``"eagle3"``, ``"dflash"``: the embedded
     demo drafters, on the demo target), or a converted directory (its kind by config.json).
 
     ``dtype``: the compute dtype or its name (``"bfloat16"``; None: the target's). ``verify``:

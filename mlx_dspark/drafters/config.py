@@ -92,7 +92,45 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     if not rank:
         raise DrafterError(f"{where}: no markov_rank")
 
-    # Attention: RoPE, sliding window, sinks.
+    return DrafterConfig(**backbone_fields(cfg, where, block_default=0),
+                         markov_rank=int(rank),
+                         has_embed_tokens=bool(cfg.get("has_embed_tokens", True)))
+
+
+def backbone_fields(cfg: dict, where: str, block_default: int) -> dict:
+    """The fields of the block backbone DSpark and DFlash share (:class:`DrafterConfig` less
+    the Markov rank and the embedding flag), from a Qwen3-style drafter config."""
+    vocab = int(cfg["vocab_size"])
+    n_layers = int(cfg["num_hidden_layers"])
+    theta, windows = attention_shape(cfg, where, n_layers)
+    block_size = int(_pick(cfg, ["block_size"], where, block_default))
+    if block_size < 2:
+        raise DrafterError(f"{where}: block_size {block_size} (need >= 2)")
+    mask_id = _pick(cfg, ["mask_token_id"], where)
+    if mask_id is None or not 0 <= int(mask_id) < vocab:
+        raise DrafterError(f"{where}: mask_token_id {mask_id} not in [0, {vocab})")
+    heads = int(cfg["num_attention_heads"])
+    return dict(
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        vocab_size=vocab,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        windows=windows,
+        attention_sinks=bool(_pick(cfg, ["attention_sink_bias"], where, False)),
+        block_size=block_size,
+        mask_token_id=int(mask_id),
+        target_layer_ids=tuple(int(i) for i in tap_layers(cfg, where)),
+        target_hidden_size=int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
+    )
+
+def attention_shape(cfg: dict, where: str, n_layers: int) -> tuple[float, tuple]:
+    """``(rope_theta, windows)`` of a Qwen3-style drafter: plain RoPE only; per layer its
+    sliding window in keys, or None for full attention."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -100,7 +138,6 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise DrafterError(f"{where}: no rope_theta")
-    n_layers = int(cfg["num_hidden_layers"])
     window = _pick(cfg, ["sliding_window", "swa_window_size"], where)
     layer_types = cfg.get("layer_types")
     if layer_types is None:
@@ -118,9 +155,12 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
             windows.append(None)
         else:
             _unsupported(where, f"layer type {t!r}")
-    sinks = bool(_pick(cfg, ["attention_sink_bias"], where, False))
+    return float(theta), tuple(windows)
 
-    # Taps: vLLM's eagle_aux_hidden_state_layer_ids count layers done (= ours + 1).
+
+def tap_layers(cfg: dict, where: str) -> list:
+    """The 0-based target layers tapped: ``target_layer_ids`` (top level or dflash_config),
+    else vLLM's ``eagle_aux_hidden_state_layer_ids``, which count layers done (= ours + 1)."""
     ids = _pick(cfg, ["target_layer_ids"], where)
     eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None and eagle is not None:
@@ -130,33 +170,7 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     if eagle is not None and [i + 1 for i in ids] != list(eagle):
         raise DrafterError(f"{where}: target_layer_ids {ids} and eagle_aux_hidden_state_layer_ids"
                            f" {eagle} disagree (the eagle ids must be target_layer_ids + 1)")
-
-    block_size = int(cfg.get("block_size", 0))
-    if block_size < 2:
-        raise DrafterError(f"{where}: block_size {block_size} (need >= 2)")
-    mask_id = _pick(cfg, ["mask_token_id"], where)
-    if mask_id is None or not 0 <= int(mask_id) < vocab:
-        raise DrafterError(f"{where}: mask_token_id {mask_id} not in [0, {vocab})")
-    heads = int(cfg["num_attention_heads"])
-    return DrafterConfig(
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        vocab_size=vocab,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        windows=tuple(windows),
-        attention_sinks=sinks,
-        block_size=block_size,
-        mask_token_id=int(mask_id),
-        target_layer_ids=tuple(int(i) for i in ids),
-        target_hidden_size=int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
-        markov_rank=int(rank),
-        has_embed_tokens=bool(cfg.get("has_embed_tokens", True)),
-    )
+    return ids
 
 
 def check_fits(cfg: DrafterConfig, target, where: str):
@@ -179,8 +193,9 @@ def check_fits(cfg: DrafterConfig, target, where: str):
 def _expected_linears(cfg: DrafterConfig) -> dict:
     """prefix -> (out, in) for every linear module of the drafter."""
     h, hd = cfg.hidden_size, cfg.head_dim
-    lin = {"fc": (h, h * len(cfg.target_layer_ids)),
-           "markov_head.markov_w2": (cfg.vocab_size, cfg.markov_rank)}
+    lin = {"fc": (h, h * len(cfg.target_layer_ids))}
+    if cfg.markov_rank:
+        lin["markov_head.markov_w2"] = (cfg.vocab_size, cfg.markov_rank)
     for i in range(cfg.num_layers):
         a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         lin.update({f"{a}.q_proj": (cfg.num_heads * hd, h), f"{a}.k_proj": (cfg.num_kv_heads * hd, h),
@@ -193,8 +208,9 @@ def _expected_linears(cfg: DrafterConfig) -> dict:
 def _expected_plain(cfg: DrafterConfig) -> dict:
     """name -> shape for every non-linear tensor."""
     h, hd = cfg.hidden_size, cfg.head_dim
-    shapes = {"hidden_norm.weight": (h,), "norm.weight": (h,),
-              "markov_head.markov_w1.weight": (cfg.vocab_size, cfg.markov_rank)}
+    shapes = {"hidden_norm.weight": (h,), "norm.weight": (h,)}
+    if cfg.markov_rank:
+        shapes["markov_head.markov_w1.weight"] = (cfg.vocab_size, cfg.markov_rank)
     if cfg.has_embed_tokens:
         shapes["embed_tokens.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
@@ -206,8 +222,10 @@ def _expected_plain(cfg: DrafterConfig) -> dict:
     return shapes
 
 
-def check_tensors(cfg: DrafterConfig, weights: dict, origin: dict, path: str, declared: dict):
-    """Every expected tensor present with the right dtype and shape, nothing unexpected."""
+def check_tensors(cfg: DrafterConfig, weights: dict, origin: dict, path: str, declared: dict,
+                  layout: str = "NVIDIA's DSpark layout"):
+    """Every expected tensor present with the right dtype and shape, nothing unexpected
+    (``layout``: what the message calls the kind's tensor layout)."""
     def where(name):
         return origin.get(name, path)
 
@@ -253,4 +271,4 @@ def check_tensors(cfg: DrafterConfig, weights: dict, origin: dict, path: str, de
     extra = sorted(set(weights) - expected)
     if extra:
         raise DrafterError(f"{path}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}"
-                           " (not part of NVIDIA's DSpark layout as configured)")
+                           f" (not part of {layout} as configured)")

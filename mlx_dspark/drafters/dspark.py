@@ -128,10 +128,12 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1.weight[prev].astype(mx.float32))
 
 
-class DSparkDrafter(DrafterBase):
-    """Parameter names mirror the checkpoint's tensor names (the weight-load gate relies on it)."""
-
-    label = "DSpark"
+class BlockDrafter(DrafterBase):
+    """The backbone DSpark shares with DFlash (drafters/dflash.py): context rows
+    ``hidden_norm(fc(taps))`` injected as each layer's K/V, a block ``[bonus, mask x n]``
+    through the layers, the final norm. A kind adds its logits and its draw; ``causal`` says
+    whether a block row sees the rows after it. Parameter names mirror the checkpoint's
+    tensor names (the weight-load gate relies on it)."""
 
     def __init__(self, cfg: DrafterConfig, w: dict, target, dtype, share_embedding: bool,
                  nvfp4: str | None = None):
@@ -141,8 +143,10 @@ class DSparkDrafter(DrafterBase):
         self.hidden_norm = Norm(w.cast("hidden_norm.weight"), cfg.rms_norm_eps)
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
-        self.markov_head = MarkovHead(w)
-        self._draws = CompiledPerKey(self._compiled_draws, DRAW_SETTINGS)
+
+    def causal(self, i: int) -> bool:
+        """Whether layer ``i``'s block rows see only themselves and the rows before them."""
+        return True
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -179,7 +183,7 @@ class DSparkDrafter(DrafterBase):
 
     def context_rows(self, c, ids, start_pos: int, cache: "DrafterCache"):
         """Each layer's K/V of the context features ``c [T, hidden]`` at positions
-        start_pos.., appended to the cache's and cut to the window (DSpark reads no tokens)."""
+        start_pos.., appended to the cache's and cut to the window (no tokens are read)."""
         layers = []
         for layer, (ck, cv) in zip(self.layers, cache.layers):
             k, v = layer.self_attn.context_kv(c[None], start_pos)
@@ -193,24 +197,44 @@ class DSparkDrafter(DrafterBase):
         # New arrays, never writes into the old ones: a snapshot of the cache stays valid.
         cache.layers = tuple(layers)
 
-    def block_logits(self, bonus, n: int, cache: "DrafterCache | None" = None) -> mx.array:
-        """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
+    def block_input(self, ids) -> mx.array:
+        """The block rows' embeddings ``[T, hidden]``."""
+        return self._embed(ids)
+
+    def block_hidden(self, bonus, n: int, cache: "DrafterCache | None" = None) -> mx.array:
+        """Rows 1..n of the block ``[bonus, mask x n]`` after the layers and the final norm:
+        ``[n, hidden]``."""
         cfg = self.config
         cache = self._cache(cache)
         length = cache.length
         ids = mx.concatenate([mx.array(bonus, dtype=mx.int32).reshape(1),
                               mx.full((n,), cfg.mask_token_id, dtype=mx.int32)])
-        x = self._embed(ids)[None]
+        x = self.block_input(ids)[None]
         q_pos = mx.arange(length, length + n + 1)
-        masks = {}       # layers with the same window and context share one mask
-        for layer, (ck, cv) in zip(self.layers, cache.layers):
-            key = (ck.shape[2], layer.self_attn.window)
+        masks = {}       # layers with the same window, causality and context share one mask
+        for i, (layer, (ck, cv)) in enumerate(zip(self.layers, cache.layers)):
+            key = (ck.shape[2], layer.self_attn.window, self.causal(i))
             if key not in masks:
                 k_pos = mx.arange(length - ck.shape[2], length + n + 1)
-                masks[key] = window_mask(q_pos, k_pos, layer.self_attn.window)
+                masks[key] = window_mask(q_pos, k_pos, key[1], key[2])
             x = layer(x, length, ck, cv, masks[key])
-        h = self.norm(x[0, 1:])
-        return self._target.lm_head(h).astype(mx.float32)
+        return self.norm(x[0, 1:])
+
+
+class DSparkDrafter(BlockDrafter):
+    """NVIDIA's DSpark: the block backbone, the target's lm_head, then the Markov head."""
+
+    label = "DSpark"
+
+    def __init__(self, cfg: DrafterConfig, w: dict, target, dtype, share_embedding: bool,
+                 nvfp4: str | None = None):
+        super().__init__(cfg, w, target, dtype, share_embedding, nvfp4)
+        self.markov_head = MarkovHead(Weights(w, dtype, nvfp4))
+        self._draws = CompiledPerKey(self._compiled_draws, DRAW_SETTINGS)
+
+    def block_logits(self, bonus, n: int, cache: "DrafterCache | None" = None) -> mx.array:
+        """``U [n, V]``: the target's lm_head over rows 1..n of the block (before Markov)."""
+        return self._target.lm_head(self.block_hidden(bonus, n, cache)).astype(mx.float32)
 
     def draft(self, bonus, n: int, draw: Draw, cache: "DrafterCache"):
         """The block's ``U``, then the Markov chain: ``z_j = U_j + W2 W1[prev]``, each row

@@ -1,7 +1,7 @@
 """Random-weight models of any shape, for the loop benchmark and the tests: our Nemotron-H
 target on the weights of mlx-lm's ``nemotron_h`` drawn at random (the same weights under the
-checkpoint names, so the tests can compare the two implementations), and a DSpark drafter in
-NVIDIA's layout with random weights (a useless drafter: its acceptance is near 1/vocab)."""
+checkpoint names, so the tests can compare the two implementations), and DSpark, DFlash, MTP
+and EAGLE-3 drafters with random weights (useless drafters: their acceptance is near 1/vocab)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
         mask_token_id=tc.vocab_size - 1, target_layer_ids=tuple(tap_layers),
         target_hidden_size=tc.hidden_size, markov_rank=8,
         has_embed_tokens=False)
+    drafter = D.DSparkDrafter(cfg, random_block_weights(cfg, seed), target, mx.float32,
+                              share_embedding=True)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def random_block_weights(cfg: DC.DrafterConfig, seed=0) -> dict:
+    """Random dense float32 tensors for every tensor a DSpark or DFlash ``cfg`` implies."""
     mx.random.seed(seed)
     w = {}
     for name, shape in DC._expected_plain(cfg).items():
@@ -102,7 +110,36 @@ def random_drafter(target, seed=0, layers=2, window=16, tap_layers=(0, 2)) -> D.
             else mx.random.normal(shape) * 0.3
     for prefix, (out, inp) in DC._expected_linears(cfg).items():
         w[prefix + ".weight"] = mx.random.normal((out, inp)) * inp ** -0.5
-    drafter = D.DSparkDrafter(cfg, w, target, mx.float32, share_embedding=True)
+    mx.eval(w)
+    return w
+
+
+def dflash_config(target, layers=2, windows=(None, 5), block_size=8, tap_layers=(0, 2),
+                  **over) -> dict:
+    """A z-lab DFlash ``config.json`` at toy size for ``target``: by default a full-attention
+    layer and a sliding one whose window (5) is narrower than the block, both non-causal.
+    ``over`` replaces top-level fields (None: drops the field)."""
+    tc = target.config
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+           "hidden_size": tc.hidden_size, "intermediate_size": 2 * tc.hidden_size,
+           "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": tc.vocab_size, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "block_size": block_size, "is_causal": False,
+           "layer_types": ["full_attention" if w is None else "sliding_attention"
+                           for w in windows],
+           "sliding_window": next((w for w in windows if w), None),
+           "dflash_config": {"mask_token_id": tc.vocab_size - 1,
+                             "target_layer_ids": list(tap_layers)}}
+    cfg.update(over)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def random_dflash(target, seed=0, **config):
+    """The DFlash drafter of :func:`dflash_config` with random weights (a useless drafter)."""
+    from ..drafters.dflash import DFlashDrafter, parse_config
+    cfg = parse_config(dflash_config(target, **config), "toy")
+    drafter = DFlashDrafter(cfg, random_block_weights(cfg, seed), target, mx.float32,
+                            share_embedding=True)
     mx.eval(drafter.parameters())
     return drafter
 
