@@ -24,6 +24,9 @@ from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
 TARGET, DRAFTER, EAGLE3 = "target", "drafter", "eagle3"
+# DSpark's and DFlash's (z-lab's layout, NVIDIA's Lightning DFlash) share the tensor layout the
+# "drafter" kind checks: fc, hidden_norm, layers.N.{self_attn,mlp}, norm, no "model." prefix.
+DRAFTER_ARCHITECTURES = ("Qwen3DSparkModel", "DFlashDraftModel")
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 DENSE_DTYPES = {"BF16": "bf16", "F16": "float16", "F32": "float32"}
 # Weight-only runtime: activation and KV-cache calibration scales have no use (docs/design.md §4).
@@ -119,7 +122,7 @@ def detect_kind(config: dict, names, config_path: Path) -> str:
     if not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise ConversionError(f"{config_path}: architectures must be a list of strings, "
                               f"got {arch!r}")
-    if "Qwen3DSparkModel" in arch or (
+    if set(arch) & set(DRAFTER_ARCHITECTURES) or (
             "fc.weight" in names and any(n.startswith("markov_head.") for n in names)):
         return DRAFTER
     if set(arch) & set(EAGLE3_ARCHITECTURES) or ("d2t" in names and "fc.weight" in names):
@@ -128,7 +131,7 @@ def detect_kind(config: dict, names, config_path: Path) -> str:
         return TARGET
     raise ConversionError(
         f"{config_path}: unsupported model (architectures {arch}): expected a Nemotron-H "
-        f"target, an NVIDIA DSpark drafter or an EAGLE-3 head")
+        f"target, an NVIDIA DSpark or DFlash drafter or an EAGLE-3 head")
 
 
 def _err(t: TensorInfo, msg: str) -> ConversionError:

@@ -16,7 +16,7 @@ from mlx_dspark.converter import convert
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPORTS = sorted(p.name for p in (FIXTURES / "modelopt").iterdir() if p.is_dir())
 REFERENCE = {"target_w4a16": "target_w4a16_dequant.npz", "target_mixed": "target_mixed_dequant.npz",
-             "drafter_nvfp4": "drafter_nvfp4_dequant.npz"}
+             "drafter_nvfp4": "drafter_nvfp4_dequant.npz", "dflash_nvfp4": "dflash_nvfp4_dequant.npz"}
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
 
 
@@ -51,7 +51,8 @@ def renamed(name: str) -> str | None:
 
 
 def test_the_committed_exports_are_all_here():
-    assert {"target_bf16", "target_w4a16", "target_mixed", "drafter_nvfp4"} <= set(EXPORTS)
+    assert {"target_bf16", "target_w4a16", "target_mixed", "drafter_nvfp4",
+            "dflash_nvfp4"} <= set(EXPORTS)
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -104,7 +105,8 @@ def test_config_layout_block_matches_the_tensors(converted, name):
         assert cfg["hybrid_override_pattern"] == "MEM*EM-E"
         assert cfg["time_step_limit"] == [0.0, float("inf")]
     kinds = {"target_bf16": {"bf16", "float32"}, "target_w4a16": {"nvfp4", "bf16", "float32"},
-             "target_mixed": {"nvfp4", "fp8", "bf16", "float32"}, "drafter_nvfp4": {"nvfp4", "bf16"}}
+             "target_mixed": {"nvfp4", "fp8", "bf16", "float32"}, "drafter_nvfp4": {"nvfp4", "bf16"},
+             "dflash_nvfp4": {"nvfp4", "bf16"}}
     assert set(mods.values()) == kinds[name]
 
 
