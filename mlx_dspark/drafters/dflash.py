@@ -24,14 +24,13 @@ rejection sampling reads are the ones the drafts were drawn from.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..models.weights import through_gate
-from .base import DrafterError, Draw, draft_dtype, read_converted, shares_embedding
-from .config import DrafterConfig, _pick, _unsupported, backbone_fields, check_fits, check_tensors
-from .dspark import BlockDrafter
+from .base import DrafterError, Draw
+from .config import DrafterConfig, _pick, _unsupported, backbone_fields
+from .dspark import BlockDrafter, load_block
 
 ARCHITECTURES = ("DFlashDraftModel",)
 BLOCK_SIZE = 16          # z-lab's default when a config names none
@@ -90,6 +89,7 @@ class DFlashDrafter(BlockDrafter):
     """Parameter names mirror the checkpoint's tensor names (the weight-load gate relies on it)."""
 
     label = "DFlash"
+    optional_embedding = True
 
     def causal(self, i: int) -> bool:
         return self.config.causal[i]
@@ -121,20 +121,7 @@ def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool
          nvfp4: str | None = None) -> DFlashDrafter:
     """Load the converted DFlash drafter in the directory ``source`` for ``target`` and pass it
     through the weight-load gate (the arguments as for dspark.load). The drafter borrows the
-    target's lm_head, and its embedding unless the checkpoint has one of its own that differs."""
-    source, dtype = str(source), draft_dtype(dtype, target)
-
-    def parse(raw, where):
-        cfg = parse_config(raw, where)
-        check_fits(cfg, target, where)
-        return cfg
-
-    raw, cfg, weights, origin = read_converted(source, verify, parse)
-    if "embed_tokens.weight" in weights:       # z-lab's has none; an export may carry a copy
-        cfg = replace(cfg, has_embed_tokens=True)
-    check_tensors(cfg, weights, origin, source, raw["quantization"].get("modules") or {},
-                  layout="z-lab's DFlash layout")
-    drafter = DFlashDrafter(cfg, weights, target, dtype, shares_embedding(weights, target),
-                            nvfp4)
-    del weights
-    return through_gate(drafter, source, verbose)
+    target's lm_head, and its embedding unless the checkpoint has one of its own that differs
+    (z-lab's has none)."""
+    return load_block(DFlashDrafter, parse_config, "z-lab's DFlash layout", source, target,
+                      dtype=dtype, verify=verify, verbose=verbose, nvfp4=nvfp4)

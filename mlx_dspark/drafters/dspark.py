@@ -19,6 +19,8 @@ the checkpoint file, read again by an independent parser, and refuses to run on 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -143,6 +145,10 @@ class BlockDrafter(DrafterBase):
         self.hidden_norm = Norm(w.cast("hidden_norm.weight"), cfg.rms_norm_eps)
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = Norm(w.cast("norm.weight"), cfg.rms_norm_eps)
+
+    # Whether an embed_tokens.weight the config does not declare is the drafter's own table
+    # (DFlash's configs never say; an export may carry a copy) rather than a stray tensor.
+    optional_embedding = False
 
     def causal(self, i: int) -> bool:
         """Whether layer ``i``'s block rows see only themselves and the rows before them."""
@@ -298,6 +304,15 @@ def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool
     when the drafter's own copy is bit-identical to it. ``verify``: how much of the files is
     checked against the conversion receipt first (checkpoint/integrity.py); a drafter without a
     receipt needs ``"none"``."""
+    return load_block(DSparkDrafter, parse_config, "NVIDIA's DSpark layout", source, target,
+                      dtype=dtype, verify=verify, verbose=verbose, nvfp4=nvfp4)
+
+
+def load_block(kind, parse_config, layout: str, source: str, target, *, dtype, verify,
+               verbose, nvfp4):
+    """A converted block drafter of class ``kind`` (DSpark, DFlash): its config parsed by
+    ``parse_config`` and fitted to ``target``, its tensors checked against the config
+    (``layout``: what a message calls the tensor layout), built, passed through the gate."""
     source, dtype = str(source), draft_dtype(dtype, target)
 
     def parse(raw, where):
@@ -306,8 +321,10 @@ def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool
         return cfg
 
     raw, cfg, weights, origin = read_converted(source, verify, parse)
-    check_tensors(cfg, weights, origin, source, raw["quantization"].get("modules") or {})
-    drafter = DSparkDrafter(cfg, weights, target, dtype, shares_embedding(weights, target),
-                            nvfp4)
+    if kind.optional_embedding and "embed_tokens.weight" in weights:
+        cfg = replace(cfg, has_embed_tokens=True)
+    check_tensors(cfg, weights, origin, source, raw["quantization"].get("modules") or {},
+                  layout)
+    drafter = kind(cfg, weights, target, dtype, shares_embedding(weights, target), nvfp4)
     del weights
     return through_gate(drafter, source, verbose)
