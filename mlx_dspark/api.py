@@ -161,7 +161,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     config (checkpoint/pairing.py: NVIDIA's DSpark drafter for Nemotron 3.5 Lightning, in any
     layout), else none; the CLI's default with ``--model``. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter`` None or
-    ``"dspark"`` (also ``"mtp"``, ``"eagle3"``) names an embedded demo drafter. With an explicit
+    ``"dspark"`` (also ``"mtp"``, ``"eagle3"``, ``"dflash"``) names an embedded demo drafter. With an explicit
     ``model``, ``drafter=None`` means no drafter (serial decoding). ``model`` may also be in
     mlx-lm's layout or a plain Hugging Face download, loaded as it is (docs/formats.md).
     ``verify``: how much of both checkpoints is checked against their conversion receipts

@@ -66,9 +66,10 @@ def add_model_arguments(p: argparse.ArgumentParser, many_drafters: bool = False)
                         "pair, a small demonstration model, not Nemotron")
     p.add_argument("--drafter", metavar="mtp|none|DIR|REPO", action="append" if many_drafters
                    else "store",
-                   help="mtp: the target's own MTP block; or a converted DSpark drafter or "
-                        "EAGLE-3 head (directory or repo id); none: serial decoding only. "
-                        "Without --model: dspark (default), mtp or eagle3 name the demo "
+                   help="mtp: the target's own MTP block; or a converted DSpark or DFlash "
+                        "drafter or EAGLE-3 head (directory or repo id); none: serial decoding "
+                        "only. Without --model: dspark (default), mtp, eagle3 or dflash name "
+                        "the demo "
                         "drafters. With --model the default is the drafter made for that model "
                         "when its config is one mlx-dspark knows (Nemotron 3.5 Lightning: "
                         "NVIDIA's DSpark drafter, from the local cache or by its repo id), "
