@@ -81,7 +81,7 @@ def test_mtp_on_a_target_converted_without_it_is_a_one_line_error(capsys, tmp_pa
 
 
 def test_the_demo_drafters_by_name_without_model(capsys):
-    for name in ("mtp", "eagle3"):
+    for name in ("mtp", "eagle3", "dflash"):
         p = run("generate", "--drafter", name, "-p", "def f(x):", "-m", "8",
                 "--ignore-chat-template", "--speculative", "on", "--stats")
         assert p.returncode == 0 and "rounds:" in p.stderr, p.stderr
