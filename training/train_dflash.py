@@ -25,10 +25,8 @@ built for); 48 anchors per window, all blocks of a window in one attention call.
 ``$FX``: a Python with torch 2.13 and the runtime (this repo's .venv with torch installed, or a
 torch venv that adds .venv's site-packages).
 """
-import argparse
 import json
 import math
-import os
 import time
 
 import numpy as np
@@ -37,12 +35,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from data import HERE, WORK
+from train_mtp import SEED, arguments
 
-THREADS = int(os.environ.get("TRAIN_THREADS", "1"))
 DEMO = HERE.parent / "mlx_dspark" / "demo" / "target"
 OUT = WORK / "dflash_export"
 CACHE = WORK / "dflash_windows_{}.npz"
-SEQ, PREFIX, TOPK, SEED = 256, 96, 16, 4321
+SEQ, PREFIX, TOPK = 256, 96, 16
 TAPS, BLOCK, WINDOW = [1, 3, 5], 8, 128
 LAYERS, HEADS, KV, HD, INTER = 2, 4, 2, 48, 512
 ANCHORS, MASK_ID = 48, 6
@@ -239,15 +237,7 @@ def tokens_per_round(model, data, n=3, rounds_per_window=24):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--windows", type=int, default=64)
-    ap.add_argument("--corpus", type=int, default=96)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    args = ap.parse_args()
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(SEED)
+    args = arguments(__doc__, steps=1200, windows=64, batch=4, lr=2e-3, corpus=96)
     t0 = time.time()
     parts = [windows(args.windows, "train", True), windows(args.corpus, "train", False)]
     held = windows(16, "heldout", True)

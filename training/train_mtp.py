@@ -175,12 +175,16 @@ def agreement(model, ids, inputs, top_i) -> float:
         return (model(ids[:, 1:], inputs[:, :-1]).argmax(-1) == top_i[:, 1:, 0]).float().mean()
 
 
-def arguments(doc: str):
+def arguments(doc: str, steps=700, windows=192, batch=8, lr=1e-3, **more: int):
+    """The training scripts' command line (``more``: further integer options and their
+    defaults); one thread, the seed set."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=700)
-    ap.add_argument("--windows", type=int, default=192)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--windows", type=int, default=windows)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--lr", type=float, default=lr)
+    for name, default in more.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
