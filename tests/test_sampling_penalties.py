@@ -25,7 +25,8 @@ from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.stats import Stats
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
+                                    tiny_target)
 from test_drafters_sampling import triples
 from test_sampling_acceptance import chi2_pvalue
 
@@ -39,7 +40,8 @@ OPTIONS = {"repetition": dict(repetition_penalty=1.8, repetition_context_size=8)
            "all": ALL}
 DRAFTERS = {"dspark": lambda t: random_drafter(t),
             "mtp": lambda t: random_mtp(t, seed=2),
-            "eagle3": lambda t: random_eagle3(t, seed=3)}
+            "eagle3": lambda t: random_eagle3(t, seed=3),
+            "dflash": lambda t: random_dflash(t, seed=4)}
 
 
 def penalised64(z, seq, prompt_len, repetition_penalty=None, repetition_context_size=20,

@@ -17,7 +17,7 @@ One drafting round, with ``P`` = number of context tokens and ``B`` the configur
 A row depends on every mask row of the block, so the whole block always runs and ``propose(n)``
 returns its first ``n`` drafts (the loop verifies a prefix of the same block, whatever ``n``).
 No draft reads the one before it: each is drawn from its own row by the one draw chain
-(base.Draw: the grammar's mask, the warp, Gumbel-max), so the distributions the loop's
+(decode/draw.py's Draw: the processors, the grammar's mask, the warp, Gumbel-max), so the distributions the loop's
 rejection sampling reads are the ones the drafts were drawn from.
 """
 
