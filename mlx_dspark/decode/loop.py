@@ -283,9 +283,16 @@ def _serial(run: Run, token: int, room: int) -> int:
 
 
 def _round(run: Run, bonus: int, n: int) -> list[int]:
-    """One speculative round; returns the tokens it emits (accepted drafts + next token).
+    """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
+    steps = round_steps(run, bonus, n)
+    verdict = steps.send(verify(run.session, bonus, next(steps)))
+    return steps.send(verdict.tolist())
 
-    Drafts, verify and acceptance are built as one lazy graph and read back once."""
+
+def round_steps(run: Run, bonus: int, n: int):
+    """A round as one lazy graph read back once, in steps (a generator): it yields the drafts
+    and is sent the verify pass over them, yields its verdict and is sent it read, then yields
+    the tokens it emits. A batch (batch.py) verifies and reads many rows' rounds at once."""
     session, sampler, noise, control = run.session, run.sampler, run.noise, run.control
     t_start = time.perf_counter()
     _catch_up(run, n, t_start)
@@ -297,12 +304,12 @@ def _round(run: Run, bonus: int, n: int) -> list[int]:
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(run, bonus, n, None if g is None else g[:n])
     t1 = time.perf_counter()
-    target_logits, taps = verify(session, bonus, drafts)
+    target_logits, taps = yield drafts
     a, nxt = accept(drafts, draft_logits, run.verified(target_logits, bonus, drafts), sampler,
                     g, None if sampler.coupled else noise.next_key(),
                     run.constraint.allowed(target_logits, drafts))
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
-    read = mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32).tolist()
+    read = yield mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32)
     finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
@@ -314,7 +321,7 @@ def _round(run: Run, bonus: int, n: int) -> list[int]:
     t4 = time.perf_counter()
     run.count_round(n, a, (t_start, t0, t1, t2, t3, t4))
     run.stats.probe_rounds += probe
-    return out
+    yield out
 
 
 def _catch_up(run: Run, n: int, t_start: float):

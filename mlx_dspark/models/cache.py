@@ -1,6 +1,7 @@
 """The target's per-sequence state: ``KVCache`` (attention), ``MambaCache`` (conv window and SSM
 state, with what a verify records for exact rollback) and ``TargetCache``, one per layer, with
-its snapshots and restore points. A drafter's attention keeps a ``KVCache`` too."""
+its snapshots and restore points. A drafter's attention keeps a ``KVCache`` too. ``RowsCache``
+shows several sequences' own caches to one forward as a batch (docs/batching.md)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ class TargetCache:
     def __getitem__(self, i):
         return self.layers[i]
 
+    def advance(self, t: int):
+        self.offset += t
+
     def snapshot(self):
         """This state in arrays that later steps cannot change, for :meth:`restore`. KV buffers
         are written in place (slice assignment), so their filled part is copied; Mamba states
@@ -113,6 +117,69 @@ class TargetCache:
                 c.offset = state
             elif isinstance(c, MambaCache):
                 c.conv, c.ssm = state
+
+
+class KVRows:
+    """One attention layer of rows decoded together: each row keeps its own ``KVCache`` and
+    attends over its own keys alone, so no row's softmax sees padding (with OpenBLAS a padded,
+    masked softmax differs from the unpadded one in the last bit; docs/batching.md)."""
+
+    def __init__(self, rows: list[KVCache]):
+        self.rows = rows
+
+
+class MambaRows:
+    """One Mamba layer of rows decoded together, read and written as a ``MambaCache`` with a
+    leading row axis: the rows' states stacked on reading, each row's slice written back to its
+    own cache (the verify's record too, so each row commits on its own)."""
+
+    def __init__(self, rows: list[MambaCache]):
+        self.rows = rows
+        self._stacked = {}
+
+    def _stack(self, name):
+        if name not in self._stacked:
+            states = [getattr(c, name) for c in self.rows]
+            known = next((s for s in states if s is not None), None)
+            self._stacked[name] = None if known is None else mx.concatenate(
+                [mx.zeros_like(known) if s is None else s for s in states])
+        return self._stacked[name]
+
+    def _split(self, name, value):
+        self._stacked[name] = value
+        for i, c in enumerate(self.rows):
+            setattr(c, name, value[i:i + 1])
+
+    conv = property(lambda self: self._stack("conv"), lambda self, v: self._split("conv", v))
+    ssm = property(lambda self: self._stack("ssm"), lambda self, v: self._split("ssm", v))
+
+    @property
+    def record(self):
+        return None
+
+    @record.setter
+    def record(self, record):
+        for i, c in enumerate(self.rows):
+            c.record = tuple(x[i:i + 1] for x in record)
+
+
+class RowsCache:
+    """Several sequences' ``TargetCache``s seen by one forward as a batch of rows
+    (``NemotronH.step_rows``): row ``i`` reads and advances ``caches[i]`` alone, so a row joins
+    or leaves a batch between steps without touching the others, and commits its own verify."""
+
+    def __init__(self, caches: list[TargetCache]):
+        self.caches = caches
+        self.layers = [KVRows(rows) if isinstance(rows[0], KVCache) else
+                       MambaRows(rows) if isinstance(rows[0], MambaCache) else None
+                       for rows in zip(*(c.layers for c in caches))]
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def advance(self, t: int):
+        for c in self.caches:
+            c.advance(t)
 
 
 def _arrays(cache):

@@ -42,7 +42,7 @@ from ..converter.layout import decode_float, layer_pattern
 from ..device import on_gpu
 from ..kernels import mamba as K
 from ..kernels.norm import gated_rms_norm, rms_norm
-from .cache import KVCache, MambaCache, TargetCache
+from .cache import KVCache, KVRows, MambaCache, RowsCache, TargetCache
 from .mlx_lm_layout import mlx_lm_weights
 from .quant import Weights, make_linear
 from .weights import read_weights
@@ -193,12 +193,17 @@ class Attention(nn.Module):
         q = self.q_proj(h).reshape(b, t, self.nh, self.hd).transpose(0, 2, 1, 3)
         k = self.k_proj(h).reshape(b, t, self.nkv, self.hd).transpose(0, 2, 1, 3)
         v = self.v_proj(h).reshape(b, t, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        # "causal" aligns the queries with the last keys, so it also serves cached blocks.
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                 mask="causal" if t > 1 else None)
+        if isinstance(cache, KVRows):         # rows decoded together: each over its own keys
+            o = mx.concatenate([self.attend(q[i:i + 1], *c.update(k[i:i + 1], v[i:i + 1]))
+                                for i, c in enumerate(cache.rows)])
+        else:
+            o = self.attend(q, *(cache.update(k, v) if cache is not None else (k, v)))
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+    def attend(self, q, k, v):
+        # "causal" aligns the queries with the last keys, so it also serves cached blocks.
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                    mask="causal" if q.shape[2] > 1 else None)
 
 
 class MLP(nn.Module):
@@ -350,7 +355,7 @@ class NemotronH(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
         if cache is not None:
-            cache.offset += tokens.shape[1]
+            cache.advance(tokens.shape[1])
         if not tap_layers:
             return logits, None
         t = mx.concatenate([taps[i] for i in tap_layers], axis=-1)
@@ -396,6 +401,19 @@ class NemotronH(nn.Module):
         out = self._forward(tokens, cache, tap_layers, True)
         cache.pending = tokens.shape[-1]
         return out
+
+    def step_rows(self, tokens, caches: list[TargetCache], tap_layers=None, verify=False):
+        """Rows decoded together (docs/batching.md): row ``i`` of ``tokens [B, T]`` advances
+        ``caches[i]``, each sequence's own cache, in one forward; ``(logits [B, T, V], taps
+        [B, T, n*hidden] or None)``. With ``verify`` each row is a :meth:`verify` that
+        ``commit(caches[i], n_i)`` cuts back on its own. Each row computes what it computes
+        alone, to the bit where the backend's matmuls do not depend on the row count."""
+        if any(c.pending is not None for c in caches):
+            raise RuntimeError("commit() every row's last verify before stepping again")
+        logits, taps = self._forward(tokens, RowsCache(caches), tap_layers, verify)
+        for c in caches if verify else ():
+            c.pending = tokens.shape[1]
+        return logits, None if taps is None else taps.reshape(*tokens.shape, -1)
 
     def commit(self, cache: TargetCache, n: int):
         """Keep the first ``n`` (1 <= n <= N+1) positions of the last verify."""

@@ -1,0 +1,176 @@
+"""Rows decoded together (docs/batching.md): several sessions, each with its own request, stepped
+as one batch. Each step is one target forward for every row that steps serially and one verify
+pass for every row that speculates with the same number of drafts (``NemotronH.step_rows``),
+and one host read for all of them.
+
+A row is a session and its request, run by the loop's own pieces (loop.py): its prompt is
+prefilled alone, its tokens chosen by its own sampler, noise, constraint and stop tokens, and a
+round drafts with its own drafter, accepts its own count and commits (rolls back) its own caches
+exactly, as alone. Each row keeps its own caches, so a row joins or leaves between steps without
+touching the others, and every row's tokens are the tokens it gets alone wherever the batched
+forward is bitwise the row's forward alone (MLX's stock CPU BLAS; docs/batching.md has where it
+is not)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import mlx.core as mx
+
+from ..request import NonFiniteLogits, Request, RequestError
+from ..stats import Stats
+from . import budget, constraint as constraints
+from .loop import _emit, _first, _speculate, pick, round_steps, undo_ahead
+from .run import Call, Run, StaleGenerator, check, finite
+from .session import Session
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a batch: its stretch of decoding (loop.Run), the tokens its last step
+    emitted, the room left after them (None once it has ended) and why it ended early
+    (``error``: the exception the row alone would have raised)."""
+
+    run: Run
+    tokens: list[int] = field(default_factory=list)
+    room: int | None = None
+    error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.room is None
+
+    @property
+    def stats(self) -> Stats:
+        return self.run.stats
+
+
+class Batch:
+    """Rows stepped together. :meth:`add` a session and its request (the prompt is prefilled
+    and the first token chosen at once), :meth:`step` every row by one serial step or one
+    round, :meth:`remove` a row whenever (a client leaving). Every row's sessions share one
+    target; a row that ends leaves by itself."""
+
+    def __init__(self):
+        self.rows: list[Row] = []
+
+    def add(self, session: Session, request: Request, stats: Stats | None = None) -> Row:
+        check(session, request)
+        if budget.applies(request):
+            raise RequestError("thinking_token_budget", "a thinking budget is not decoded in "
+                                                        "a batch yet; decode it alone")
+        if self.rows and session.target is not self.rows[0].run.session.target:
+            raise ValueError("every row of a batch decodes on one target")
+        if any(r.run.session is session for r in self.rows):
+            raise ValueError("this session already decodes a row of the batch")
+        call = Call(session, constraints.of(request, session.target.config.vocab_size))
+        undo_ahead(session)            # a suspended generator's step built ahead
+        session.generation += 1
+        call.generation = session.generation
+        row = Row(Run.start(call, request, stats if stats is not None else Stats()))
+        self._emit(row, lambda: [_first(row.run)])
+        if not row.done:
+            self.rows.append(row)
+        return row
+
+    def remove(self, row: Row):
+        """Take ``row`` out (between steps): the others go on as if it had never joined."""
+        self.rows.remove(row)
+
+    def step(self) -> list[Row]:
+        """Advance every row by one step; returns the rows that stepped (each with the tokens
+        it emitted in ``row.tokens``). Rows that ended leave the batch."""
+        rows = list(self.rows)
+        plans = sorted(((_plan(row), i) for i, row in enumerate(rows)))
+        for (n, taps), group in groupby(plans, key=lambda plan: plan[0]):
+            group = [rows[i] for _, i in group]
+            if n:
+                self._rounds(group, n, taps)
+            else:
+                self._serial(group, taps)
+        for row in rows:
+            row.run.note_mode()
+        self.rows = [r for r in self.rows if not r.done]
+        return rows
+
+    def _serial(self, rows: list[Row], taps):
+        """One forward feeds every row its last token; each chooses its next one."""
+        t0 = time.perf_counter()
+        target = rows[0].run.session.target
+        last = [row.tokens[-1] for row in rows]
+        logits, tapped = target.step_rows(mx.array(last, dtype=mx.int32)[:, None],
+                                          [row.run.session.cache for row in rows], taps)
+        picks = []
+        for i, (row, token) in enumerate(zip(rows, last)):
+            run, logit = row.run, logits[i, -1:]
+            picks.append(pick(run, logit, len(run.session.tokens) + 1, run.before(token),
+                              run.constraint.allowed(logit)))
+            run.session.feed([token], None if tapped is None else tapped[i])
+        read = mx.stack(picks).tolist()
+        seconds = time.perf_counter() - t0
+        for i, (row, token) in enumerate(zip(rows, read)):
+            self._emit(row, lambda: _serial_read(row.run, token, logits[i, -1:], seconds))
+
+    def _rounds(self, rows: list[Row], n: int, taps):
+        """Every row drafts ``n`` tokens after its last one; one verify pass over all of them;
+        one read of every row's verdict; each row accepts and commits its own."""
+        steps = [round_steps(row.run, row.tokens[-1], n) for row in rows]
+        drafts = [next(s) for s in steps]
+        blocks = mx.stack([mx.concatenate([mx.array([row.tokens[-1]], dtype=mx.int32),
+                                           d.astype(mx.int32)]) for row, d in zip(rows, drafts)])
+        target = rows[0].run.session.target
+        logits, tapped = target.step_rows(blocks, [row.run.session.cache for row in rows], taps,
+                                          verify=True)
+        verdicts = [s.send((logits[i], tapped[i])) for i, s in enumerate(steps)]
+        for row, s, read in zip(rows, steps, mx.stack(verdicts).tolist()):
+            self._emit(row, lambda: s.send(read))
+
+    def _emit(self, row: Row, out):
+        """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
+        would (loop._emit: stop tokens, max_tokens, the constraint advanced). A row whose step
+        raises ends with that error."""
+        try:
+            emit, row.tokens = _emit(row.run, out()), []
+            while True:
+                row.tokens.append(next(emit))
+        except StopIteration as end:
+            row.room = end.value
+        except (NonFiniteLogits, StaleGenerator) as e:
+            row.room, row.error = None, e
+
+
+def _plan(row: Row) -> tuple[int, tuple]:
+    """What ``row`` does next, as a group key: the drafts of its round (0: a serial step), and
+    the target layers it taps."""
+    run = row.run
+    n = min(run.request.num_draft, row.room - 1) if _speculate(run, row.room) else 0
+    return n, (run.session.tap_layers or ()) if run.tap else ()
+
+
+def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list[int]:
+    """A serial step's token once read, counted as loop._serial counts it."""
+    token = finite(token, run.session)
+    run.score(logits, [token])
+    run.stats.t_serial += seconds
+    run.stats.serial_steps += 1
+    run.control.observe_serial(seconds)
+    return [token]
+
+
+def decode_batch(sessions: list[Session], requests: list[Request],
+                 stats: list[Stats] | None = None) -> list[list[int]]:
+    """Every request on its session, decoded together until each ends: the tokens of each,
+    as ``decode`` yields them alone. A row that fails raises its error once all have ended."""
+    batch, out = Batch(), []
+    for i, (session, request) in enumerate(zip(sessions, requests)):
+        out.append(batch.add(session, request, None if stats is None else stats[i]))
+    tokens = {id(row): list(row.tokens) for row in out}
+    while batch.rows:
+        for row in batch.step():
+            tokens[id(row)] += row.tokens
+    failed = next((row.error for row in out if row.error is not None), None)
+    if failed is not None:
+        raise failed
+    return [tokens[id(row)] for row in out]
