@@ -4,7 +4,9 @@ forward alone? Teacher-forced, so every row sees the same tokens both ways: rows
 prompts of different lengths are prefilled alone, then decoded ``--steps`` serial steps
 (1 token per row) and ``--steps`` verify blocks (4 tokens per row, each row committing its own
 random count), alone and batched. Reports, per B and shape, the largest |logit difference| and
-how many greedy argmaxes differ.
+how many greedy argmaxes differ. First, op by op (``ops``): each kind of matmul and kernel the
+forward runs, B rows at once against each row alone, and attention over a padded, masked KV
+against the row's own keys.
 
     python benchmarks/batch_invariance.py [--steps 64]
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/batch_invariance.py
@@ -20,6 +22,46 @@ import mlx_dspark as md
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):\n    with open(path) as f:",
            "class Stack:\n    def __init__(self):", "# sort a list of numbers\nxs = [3, 1, 2]\n"]
+
+
+def ops(target, seed=0):
+    """Largest |difference| of each op's B-row result from its rows computed alone."""
+    mx.random.seed(seed)
+    mamba, moe, attention = target.layers[0].mixer, target.layers[1].mixer, target.layers[3].mixer
+    kinds = {"NVFP4 quantized_matmul (Mamba in_proj)": mamba.in_proj,
+             "dense fp32 matmul (attention q_proj, from bf16)": attention.q_proj,
+             "dense fp32 matmul (lm_head 192x4096)": target.lm_head,
+             "MoE layer (router matmul, gather_qmm, shared NVFP4 expert)": moe,
+             "Mamba-2 mixer (conv, ssm_step, gated norm, NVFP4 projections)":
+                 lambda x: mamba(x, None, False)}
+    out = {}
+    for name, f in kinds.items():
+        for t in (1, 4):
+            for b in (2, 3, 4):
+                x = mx.random.normal((b, t, target.config.hidden_size))
+                together = f(x)
+                worst = max(mx.abs(together[i:i + 1] - f(x[i:i + 1])).max().item()
+                            for i in range(b))
+                out[name, t] = max(out.get((name, t), 0.0), worst)
+    h, hkv, d = 4, 2, 48
+    for sinks in (None, mx.random.normal((h,))):
+        name = "attention over padded KV (mask) vs own keys" + (", with sinks" if sinks
+                                                                  is not None else "")
+        for t in (1, 4):
+            for length in (5, 37, 200, 300):
+                for pad in (1, 7, 64, 256):
+                    q = mx.random.normal((1, h, t, d))
+                    k, v = mx.random.normal((2, 1, hkv, length, d))
+                    own = mx.fast.scaled_dot_product_attention(
+                        q, k, v, scale=d ** -0.5, mask="causal" if t > 1 else None, sinks=sinks)
+                    zeros = mx.zeros((1, hkv, pad, d))
+                    mask = mx.arange(length + pad)[None] <= mx.arange(length - t, length)[:, None]
+                    padded = mx.fast.scaled_dot_product_attention(
+                        q, mx.concatenate([k, zeros], 2), mx.concatenate([v, zeros], 2),
+                        scale=d ** -0.5, mask=mask, sinks=sinks)
+                    out[name, t] = max(out.get((name, t), 0.0),
+                                       mx.abs(own - padded).max().item())
+    return out
 
 
 def measure(target, prompts, steps, block, seed=0):
@@ -61,7 +103,11 @@ def main():
     args = ap.parse_args()
     pair = md.load()
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
-    out = []
+    out = [dict(op=name, tokens_per_row=t, max_abs_diff=d)
+           for (name, t), d in ops(pair.target).items()]
+    if not args.json:
+        for row in out:
+            print(f"{row['op']}, T={row['tokens_per_row']}: max |diff| {row['max_abs_diff']:.3g}")
     for block in (1, 4):
         for b in range(1, 5):
             worst, differ, total = measure(pair.target, prompts[:b], args.steps, block)
