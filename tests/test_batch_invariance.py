@@ -5,8 +5,9 @@ On MLX's stock CPU BLAS (what the tests run on) the batched forward is bitwise e
 alone, so the tokens are the same, not merely close: greedy at batch 1..4 with speculation off,
 on and auto with the demo pair's DSpark, MTP and EAGLE-3 drafters; seeded sampling (both
 schemes); a grammar, stop tokens and lengths that differ per row; a row leaving or joining
-mid-batch. With OpenBLAS preloaded the logits differ in the last bits (measured in
-docs/batching.md); these tests are the stock-BLAS contract."""
+mid-batch. With OpenBLAS preloaded the batched logits differ in the last bits (measured in
+docs/batching.md): there the forward is held to that measured bound (1e-4, the same argmax)
+and the tokens still to equality."""
 
 import random
 
@@ -21,6 +22,16 @@ from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request, RequestError, Thinking
 from mlx_dspark.stats import Stats
 
+def _openblas() -> bool:
+    """Whether OpenBLAS serves this process's BLAS calls (preloaded in place of MLX's own)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "openblas" in maps.read().lower()
+    except OSError:
+        return False
+
+
+OPENBLAS = _openblas()
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):\n    with open(path) as f:",
            "class Stack:\n    def __init__(self):", "x"]
 
@@ -121,7 +132,11 @@ def test_the_batched_forward_is_bitwise_each_rows_forward_alone(block):
                     for i, c in enumerate(mine)]
             batched = target.step_rows(tokens, ours, verify=block > 1)[0]
             for i, row in enumerate(rows):
-                assert mx.array_equal(row, batched[i]).item(), (b, i)
+                if OPENBLAS:     # its sgemm's sum order follows the row count (docs/batching.md)
+                    assert mx.abs(row - batched[i]).max().item() <= 1e-4, (b, i)
+                    assert mx.array_equal(row.argmax(-1), batched[i].argmax(-1)).item()
+                else:
+                    assert mx.array_equal(row, batched[i]).item(), (b, i)
             if block > 1:
                 for i in range(b):
                     keep = rng.randint(1, block)
