@@ -9,6 +9,7 @@ mid-batch. With OpenBLAS preloaded the batched logits differ in the last bits (m
 docs/batching.md): there the forward is held to that measured bound (1e-4, the same argmax)
 and the tokens still to equality."""
 
+import gc
 import random
 
 import mlx.core as mx
@@ -157,3 +158,34 @@ def test_a_batch_refuses_rows_it_cannot_decode_as_they_would_alone():
     with pytest.raises(RequestError, match="thinking"):
         batch.add(Session(pair.target, pair.drafter),
                   Request([5, 6, 7], thinking=Thinking((8,), (9,)), thinking_token_budget=4))
+
+
+def _held(snapshot_of) -> int:
+    """Bytes of device memory that the snapshot ``snapshot_of()`` takes keeps alive."""
+    gc.collect()
+    before = mx.get_active_memory()
+    snap = snapshot_of()
+    gc.collect()
+    held = mx.get_active_memory() - before
+    del snap
+    return held
+
+
+def test_a_rows_snapshot_after_a_batch_holds_its_own_state_alone():
+    # a prompt cache keeps snapshots within a byte budget: a row's Mamba states must not be
+    # views that keep the whole batch's states alive
+    pair = md.load()
+    requests = [make_request(pair, p, max_tokens=8, speculative="off") for p in PROMPTS]
+
+    def batched():
+        sessions = [Session(pair.target, pair.drafter) for _ in requests]
+        decode_batch(sessions, requests)
+        return sessions[0].snapshot()
+
+    def single():
+        session = Session(pair.target, pair.drafter)
+        list(decode(session, requests[0]))
+        return session.snapshot()
+
+    batched(), single()                           # compiled kernels and buffers, once
+    assert _held(batched) <= _held(single) * 1.1

@@ -77,11 +77,13 @@ class TargetCache:
     def snapshot(self):
         """This state in arrays that later steps cannot change, for :meth:`restore`. KV buffers
         are written in place (slice assignment), so their filled part is copied; Mamba states
-        are only ever replaced, never written into, so they are shared."""
+        are only ever replaced, never written into, so they are shared, unless they are a row
+        of a batched step's states (a view that would keep every row alive: copied out)."""
         if self.pending is not None:
             raise RuntimeError("snapshot() between a verify and its commit")
         layers = tuple(None if c is None else
-                       (c.conv, c.ssm) if isinstance(c, MambaCache) else
+                       tuple(None if x is None else mx.contiguous(x) for x in (c.conv, c.ssm))
+                       if isinstance(c, MambaCache) else
                        None if c.keys is None else tuple(mx.contiguous(x) for x in c.state())
                        for c in self.layers)
         mx.eval([x for layer in layers if layer for x in layer if x is not None])
