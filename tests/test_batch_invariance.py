@@ -189,3 +189,15 @@ def test_a_rows_snapshot_after_a_batch_holds_its_own_state_alone():
 
     batched(), single()                           # compiled kernels and buffers, once
     assert _held(batched) <= _held(single) * 1.1
+
+
+def test_each_rows_logprobs_are_its_own_as_alone(pair):
+    requests = [make_request(pair, p, max_tokens=12, speculative=s, logprobs=2)
+                for p, s in zip(PROMPTS[:3], ("on", "off", "on"))]
+    want = [Stats() for _ in requests]
+    for session_stats, r in zip(want, requests):
+        list(decode(Session(pair.target, pair.drafter), r, session_stats))
+    got = [Stats() for _ in requests]
+    together(pair, requests, got)
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    assert all(len(s.logprobs) == 12 for s in got)
