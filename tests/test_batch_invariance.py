@@ -19,6 +19,7 @@ import mlx_dspark as md
 from mlx_dspark.api import make_request
 from mlx_dspark.decode.batch import Batch, decode_batch
 from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.run import StaleGenerator
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request, RequestError, Thinking
 from mlx_dspark.stats import Stats
@@ -201,3 +202,25 @@ def test_each_rows_logprobs_are_its_own_as_alone(pair):
     together(pair, requests, got)
     assert [s.logprobs for s in got] == [s.logprobs for s in want]
     assert all(len(s.logprobs) == 12 for s in got)
+
+
+def test_a_row_whose_session_another_call_takes_ends_stale_and_the_others_go_on():
+    pair = md.load()
+    requests = [make_request(pair, p, max_tokens=16, speculative="on") for p in PROMPTS[:2]]
+    want = alone(pair, requests)
+    sessions = [Session(pair.target, pair.drafter) for _ in requests]
+    batch = Batch()
+    rows = [batch.add(s, r) for s, r in zip(sessions, requests)]
+    got = [list(r.tokens) for r in rows]
+    for _ in range(2):
+        for row, mine in zip(batch.step(), got):
+            mine += row.tokens
+    other = make_request(pair, PROMPTS[2], max_tokens=6, speculative="off")
+    taken = list(decode(sessions[0], other))       # another call takes row 0's session
+    while batch.rows:
+        for row in batch.step():
+            got[rows.index(row)] += row.tokens
+    assert isinstance(rows[0].error, StaleGenerator)
+    assert got[1] == want[1] and got[0] == want[0][:len(got[0])] and len(got[0]) < 16
+    # the stale row stepped no more on the session: it holds the other call's sequence
+    assert sessions[0].tokens == list(other.prompt) + taken[:-1]

@@ -81,8 +81,14 @@ class Batch:
 
     def step(self) -> list[Row]:
         """Advance every row by one step; returns the rows that stepped (each with the tokens
-        it emitted in ``row.tokens``). Rows that ended leave the batch."""
-        rows = list(self.rows)
+        it emitted in ``row.tokens``). Rows that ended leave the batch; so does a row whose
+        session another call took over since (``StaleGenerator``), before any step touches it."""
+        for row in self.rows:
+            try:
+                row.run.call.still_current()
+            except StaleGenerator as e:
+                row.room, row.error, row.tokens = None, e, []
+        rows = [r for r in self.rows if not r.done]
         plans = sorted(((_plan(row), i) for i, row in enumerate(rows)))
         for (n, taps), group in groupby(plans, key=lambda plan: plan[0]):
             group = [rows[i] for _, i in group]
@@ -131,8 +137,9 @@ class Batch:
         """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
         would (loop._emit: stop tokens, max_tokens, the constraint advanced). A row whose step
         raises ends with that error."""
+        row.tokens = []
         try:
-            emit, row.tokens = _emit(row.run, out()), []
+            emit = _emit(row.run, out())
             while True:
                 row.tokens.append(next(emit))
         except StopIteration as end:
