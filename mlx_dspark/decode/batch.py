@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, constraint as constraints
-from .loop import _emit, _first, _speculate, pick, round_steps, undo_ahead
+from .loop import _emit, _first, _serial, _speculate, pick, round_steps, undo_ahead
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
 
@@ -78,6 +78,7 @@ class Batch:
     def remove(self, row: Row):
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
         self.rows.remove(row)
+        undo_ahead(row.run.session)
 
     def step(self) -> list[Row]:
         """Advance every row by one step; returns the rows that stepped (each with the tokens
@@ -92,6 +93,12 @@ class Batch:
         plans = sorted(((_plan(row), i) for i, row in enumerate(rows)))
         for (n, taps), group in groupby(plans, key=lambda plan: plan[0]):
             group = [rows[i] for _, i in group]
+            if len(group) == 1 and not n:       # alone: the loop's serial step, built ahead
+                row, token = group[0], group[0].tokens[-1]
+                self._emit(row, lambda: [_serial(row.run, token, row.room)])
+                continue
+            for row in group:
+                undo_ahead(row.run.session)     # built while it stepped alone
             if n:
                 self._rounds(group, n, taps)
             else:
