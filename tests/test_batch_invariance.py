@@ -64,6 +64,17 @@ def test_greedy_rows_at_batch_1_to_4_equal_each_request_alone(pair, speculative)
             sum(s.drafted for s in stats)
 
 
+def test_each_rows_penalties_are_its_own(pair):
+    requests = [make_request(pair, PROMPTS[0], max_tokens=20, speculative="on",
+                             repetition_penalty=1.5),
+                make_request(pair, PROMPTS[0], max_tokens=20, speculative="on"),
+                make_request(pair, PROMPTS[1], max_tokens=20, speculative="off",
+                             presence_penalty=1.0)]
+    want = alone(pair, requests)
+    assert want[0] != want[1]                        # the penalty changed that row's text
+    assert together(pair, requests) == want
+
+
 def test_seeded_sampling_reproduces_per_row(pair):
     requests = [make_request(pair, p, max_tokens=20, temperature=0.8, top_p=0.95, seed=s,
                                 speculative=spec, sampling=scheme)

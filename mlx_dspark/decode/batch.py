@@ -23,6 +23,7 @@ from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, constraint as constraints
 from .loop import _emit, _first, _serial, _speculate, pick, round_steps, undo_ahead
+from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
 
@@ -65,7 +66,8 @@ class Batch:
             raise ValueError("every row of a batch decodes on one target")
         if any(r.run.session is session for r in self.rows):
             raise ValueError("this session already decodes a row of the batch")
-        call = Call(session, constraints.of(request, session.target.config.vocab_size))
+        call = Call(session, constraints.of(request, session.target.config.vocab_size),
+                    Processors.of(request))
         undo_ahead(session)            # a suspended generator's step built ahead
         session.generation += 1
         call.generation = session.generation
