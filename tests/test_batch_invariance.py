@@ -38,7 +38,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):\n    with 
            "class Stack:\n    def __init__(self):", "x"]
 
 
-@pytest.fixture(scope="module", params=["dspark", "mtp", "eagle3"])
+@pytest.fixture(scope="module", params=["dspark", "mtp", "eagle3", "dflash"])
 def pair(request):
     return md.load() if request.param == "dspark" else md.load(drafter=request.param)
 
