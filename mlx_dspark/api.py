@@ -386,6 +386,7 @@ MLX_LM_KEYWORDS = {
     "temp": "temperature=", "draft_model": "md.load(model, drafter)",
     "num_draft_tokens": "num_draft=",
     "prompt_cache": "session=pair.session()", "formatter": "stream_generate()",
+    "prompt_progress_callback": "progress=, called with (done, total, seconds)",
 }
 
 
@@ -407,7 +408,8 @@ def _check_call(function: str, pair, prompt, options: dict):
 
 
 def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
-                    session: Session | None = None, **options) -> Iterator[Chunk]:
+                    session: Session | None = None, progress=None,
+                    **options) -> Iterator[Chunk]:
     """Yield one chunk per generated token; the last one carries the finish reason.
     ``max_tokens``: most tokens to generate (default 256).
 
@@ -449,12 +451,19 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     alternatives (0..20), read off the rows the generation computed; the last chunk's
     ``stats.logprobs`` holds ``(token, logprob, [(id, logprob), ...])`` per token.
 
-    ``session`` (``pair.session()``) keeps the state for a next call that extends this one."""
+    ``session`` (``pair.session()``) keeps the state for a next call that extends this one.
+
+    ``progress(done, total, seconds)`` (mlx-lm's ``prompt_progress_callback``, with the time):
+    called as the prefill starts (``done``: the prompt tokens already held, reused) and after
+    each piece of it (about 512 tokens), with the prompt tokens in the cache, the prompt's
+    length and the seconds since the prefill started. An exception it raises stops the prefill
+    there and comes out of the iteration (a way to cancel a long prompt)."""
     _check_call("stream_generate", pair, prompt, options)
-    return _stream_generate(pair, prompt, max_tokens, session, options)
+    return _stream_generate(pair, prompt, max_tokens, session, options, progress)
 
 
-def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chunk]:
+def _stream_generate(pair, prompt, max_tokens, session, options,
+                     progress=None) -> Iterator[Chunk]:
     if isinstance(prompt, Request):
         given = [*options] + (["max_tokens"] if max_tokens is not None else [])
         if given:
@@ -471,31 +480,33 @@ def _stream_generate(pair, prompt, max_tokens, session, options) -> Iterator[Chu
         boundaries = message_boundaries(pair.tokenizer, prompt,
                                         options.get("chat_template_kwargs") or {},
                                         list(request.prompt))
-    return stream(pair, request, session, boundaries)
+    return stream(pair, request, session, boundaries, progress)
 
 
 def stream(pair: Pair, request: Request, session: Session | None = None,
-           boundaries=()) -> Iterator[Chunk]:
+           boundaries=(), progress=None) -> Iterator[Chunk]:
     """The chunks of ``request`` (as :func:`make_request` built it for ``pair``) decoded on
     ``session`` (None: a session of its own, without the drafter when the request never
     speculates, or continued from the pair's prompt cache when it has one; ``boundaries``:
-    where the prompt's chat messages end, checkpoints). The request is decoded as it is."""
+    where the prompt's chat messages end, checkpoints; ``progress``: the prefill's callback,
+    as :func:`stream_generate` has it). The request is decoded as it is."""
     from .decode.loop import decode
 
     if session is None and pair.prompt_cache is not None:
-        return _cached(pair, request, boundaries)
+        return _cached(pair, request, boundaries, progress)
     if session is None:
         session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
                           home=pair)
     stats = Stats()
-    return _chunks(pair, request, decode(session, request, stats), stats)
+    return _chunks(pair, request, decode(session, request, stats, progress), stats)
 
 
-def _cached(pair: Pair, request: Request, boundaries) -> Iterator[Chunk]:
+def _cached(pair: Pair, request: Request, boundaries, progress) -> Iterator[Chunk]:
     """``stream`` on a session continued from the pair's prompt cache; the states after the
     prompt and after the answer are remembered for later calls."""
     session = Session(pair.target, pair.drafter, home=pair)   # one kind of snapshot
-    return pair.prompt_cache.through(session, lambda s: stream(pair, request, s),
+    return pair.prompt_cache.through(session,
+                                     lambda s: stream(pair, request, s, progress=progress),
                                      request.prompt, boundaries)
 
 
@@ -565,12 +576,14 @@ def _taking_turns(tokens: Iterator[int], lock) -> Iterator[int]:
 
 
 def generate(pair: Pair, prompt, max_tokens: int | None = None, *,
-             session: Session | None = None, verbose: bool = False, **options) -> Result:
-    """Generate and return the whole result (same arguments as ``stream_generate``).
-    ``verbose=True`` (mlx-lm's) also prints the text as it comes and then the stats."""
+             session: Session | None = None, verbose: bool = False, progress=None,
+             **options) -> Result:
+    """Generate and return the whole result (same arguments as ``stream_generate``, the
+    ``progress`` callback included). ``verbose=True`` (mlx-lm's) also prints the text as it
+    comes and then the stats."""
     _check_call("generate", pair, prompt, options)
     text, thought, tokens, stats = [], [], [], None
-    for chunk in _stream_generate(pair, prompt, max_tokens, session, options):
+    for chunk in _stream_generate(pair, prompt, max_tokens, session, options, progress):
         text.append(chunk.text)
         thought.append(chunk.reasoning)
         if verbose:

@@ -231,3 +231,14 @@ def format_line(stats: Stats) -> str:
             f"({format_acceptance(stats)}), prompt {stats.prompt_tokens} tokens: "
             f"{stats.prefilled_tokens} prefilled, {stats.reused_tokens} reused, {stats.mode}, "
             f"{stats.finish_reason}]")
+
+
+def format_progress(done: int, total: int, reused: int, seconds: float) -> str:
+    """A prefill's progress as ``generate``, ``chat`` and the server's log show it: the prompt
+    tokens in the cache of the prompt's, the rate of those prefilled (``reused`` ones were
+    already held) and the time left at that rate, or the time it took once done."""
+    rate = (done - reused) / seconds if seconds > 0 else 0.0
+    line = f"prefill {done}/{total} tokens, {rate:.0f} tokens/s"
+    if done >= total:
+        return f"{line}, {seconds:.1f} s"
+    return f"{line}, about {(total - done) / rate:.0f} s left" if rate > 0 else line

@@ -8,7 +8,9 @@ way). A template that rewrites past answers (some drop past reasoning) would wan
 history tokens; the model sees its own tokens instead, as it did when it wrote them.
 
 Ctrl-C during an answer stops it at the next token and keeps the conversation: the SIGINT
-handler only sets a flag, so no model call is torn in half.
+handler only sets a flag, so no model call is torn in half. Ctrl-C while a long message is
+prefilled (its progress shown on stderr) stops it before the next piece and drops the
+message: the session goes back to the conversation as it was.
 
 ``/save NAME`` writes the conversation and the session's state to the prompt cache directory
 (``named/NAME``); ``/load NAME`` and ``--resume NAME`` bring both back after a restart, so
@@ -19,10 +21,12 @@ from __future__ import annotations
 import sys
 
 from .. import api
+from ..decode.pieces import ends as piece_ends
 from ..request import SEEDS
 from ..stats import Stats, format_line, format_stats
 from ..text.tokenizer import _encode, message_boundaries, prompt_ids, template_options
-from .common import CatchInterrupt, CommandError, flag_error, request_options, utf8_text
+from .common import (CatchInterrupt, CommandError, PrefillMeter, flag_error, request_options,
+                     utf8_text)
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
@@ -33,7 +37,8 @@ commands:
   /load NAME  continue a saved conversation (so does --resume NAME)
   /help    this list
   /quit    leave (so do Ctrl-D and /exit)
-Ctrl-C stops the current answer and keeps the conversation."""
+Ctrl-C stops the current answer and keeps the conversation (during a long message's prefill:
+drops the message)."""
 
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"     # how thinking is shown on a terminal
@@ -232,14 +237,29 @@ class Chat:
         except ValueError as e:
             print(f"error: {flag_error(e)} (/reset starts a new conversation)")
             return
-        self._answer(user, ids, self._stream(user, ids, request))
+        interrupt = CatchInterrupt()
+        # A message long enough to be stopped mid-prefill: the state before it, to go back to.
+        known = len(self.session.tokens)
+        before = self.session.snapshot() if known and len(
+            piece_ends(known, [len(ids)], self.pair.target)) > 1 else None
+        try:
+            self._answer(user, ids, self._stream(user, ids, request, PrefillMeter(interrupt)),
+                         interrupt)
+        except KeyboardInterrupt:       # in the prefill, before its next piece
+            held = len(self.session.tokens)
+            if before is not None:
+                self.session.restore(before)
+            else:
+                self.session.reset()
+            print(f"\n(stopped reading the message at {held} of {len(ids)} prompt tokens; "
+                  f"it was not sent)")
 
-    def _stream(self, user: str, ids: list[int], request):
+    def _stream(self, user: str, ids: list[int], request, progress):
         """The answer's chunks; through the prompt cache when there is one, so the state is
         kept for a later chat."""
         cache = self.pair.prompt_cache
         if cache is None:
-            return api.stream(self.pair, request, self.session)
+            return api.stream(self.pair, request, self.session, progress=progress)
         prompt = boundaries = None
         if not self.session.tokens:
             # a first turn: continue from a system prompt cached before (cache-prompt, an
@@ -247,12 +267,13 @@ class Chat:
             messages = self.conversation.messages + [{"role": "user", "content": user}]
             prompt, boundaries = ids, message_boundaries(
                 self.pair.tokenizer, messages, self.conversation.options, ids)
-        return cache.through(self.session, lambda s: api.stream(self.pair, request, s),
+        return cache.through(self.session,
+                             lambda s: api.stream(self.pair, request, s, progress=progress),
                              prompt, boundaries or ())
 
-    def _answer(self, user: str, ids: list[int], stream):
+    def _answer(self, user: str, ids: list[int], stream, interrupt: CatchInterrupt):
         pieces, tokens, stats, thinking = [], [], None, [False]
-        with CatchInterrupt() as interrupt:
+        with interrupt:
             try:
                 for chunk in stream:
                     self.show(chunk, thinking)

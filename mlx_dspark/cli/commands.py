@@ -15,10 +15,10 @@ import sys
 from ..stats import format_stats
 
 from ..request import MODES, RequestError, check_sampling
-from .common import (CatchInterrupt, CommandError, _at_least, _positive, add_model_arguments,
-                     add_sampling_arguments, add_scheme_argument, add_stats_argument,
-                     add_system_prompt_argument, add_template_arguments, flag_error, load_pair,
-                     request_options, require_chat_template, utf8_text)
+from .common import (CatchInterrupt, CommandError, PrefillMeter, _at_least, _positive,
+                     add_model_arguments, add_sampling_arguments, add_scheme_argument,
+                     add_stats_argument, add_system_prompt_argument, add_template_arguments,
+                     flag_error, load_pair, request_options, require_chat_template, utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,17 +70,19 @@ def run_generate(args: argparse.Namespace) -> int:
     if templated:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         prompt = system + [{"role": "user", "content": prompt}]
+    # Ctrl-C stops at the next token or prefill piece (a second one at once), so the stats
+    # stay whole; a long prompt's prefill shows its progress.
+    interrupt = CatchInterrupt(once=True)
     try:      # the prompt does not fit the model, --num-draft beyond the drafter, ...
         request = api.make_request(pair, prompt, chat=templated,
                                    chat_template_kwargs=template_options(
                                        pair.tokenizer, args.reasoning, args.chat_template_args),
                                    **request_options(args))
-        stream = api.stream(pair, request)
+        stream = api.stream(pair, request, progress=PrefillMeter(interrupt))
     except ValueError as e:
         raise flag_error(e) from None
     stats = None
-    # Ctrl-C stops at the next token (a second one at once), so the stats stay whole.
-    with CatchInterrupt(once=True) as interrupt:
+    with interrupt:
         try:
             for chunk in stream:
                 sys.stdout.write(chunk.reasoning + chunk.text)   # thinking, then the answer
@@ -88,7 +90,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 stats = chunk.stats
                 if interrupt.hit:
                     break
-        except KeyboardInterrupt:  # the second Ctrl-C, before a token came
+        except KeyboardInterrupt:  # Ctrl-C in the prefill (at its next piece), or a second one
             interrupt.hit = True
         finally:
             stream.close()
@@ -191,7 +193,7 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
         raise CommandError(f"prompt cache: {e}") from None
     session = pair.session()
     t0 = time.perf_counter()
-    prefill(session, ids, tap=pair.drafter is not None)
+    prefill(session, ids, tap=pair.drafter is not None, progress=PrefillMeter())
     snap = session.snapshot()
     t1 = time.perf_counter()
     try:

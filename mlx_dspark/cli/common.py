@@ -13,6 +13,7 @@ import sys
 from ..checkpoint.integrity import VERIFY_LEVELS
 from ..request import DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError, \
     check_penalties, check_sampling
+from ..stats import format_progress
 
 
 class CommandError(Exception):
@@ -25,7 +26,7 @@ class CatchInterrupt:
     would otherwise wait for the next token to notice)."""
 
     def __init__(self, once: bool = False):
-        self.once = once
+        self.once, self.hit = once, False
 
     def __enter__(self):
         self.hit = False
@@ -39,6 +40,34 @@ class CatchInterrupt:
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._old)
+
+
+class PrefillMeter:
+    """A prefill's progress callback for ``generate``, ``chat`` and ``cache-prompt`` (its
+    ``progress``): its progress on stderr (tokens, rate, time left) once it has taken
+    ``SHOW_AFTER`` seconds, so a short prompt shows nothing; on a terminal one line rewritten
+    in place and cleared at the end, else a line per piece. After a Ctrl-C caught by
+    ``interrupt`` (while it is active), an unfinished prefill stops before its next piece:
+    KeyboardInterrupt (without one, Ctrl-C raises it as usual)."""
+
+    SHOW_AFTER = 1.0
+
+    def __init__(self, interrupt: CatchInterrupt | None = None):
+        self.interrupt, self.reused = interrupt, 0
+
+    def __call__(self, done: int, total: int, seconds: float):
+        if self.interrupt is not None and self.interrupt.hit and done < total:
+            raise KeyboardInterrupt
+        if seconds == 0.0:              # the start: the tokens already held
+            self.reused = done
+        if seconds < self.SHOW_AFTER:
+            return
+        line = format_progress(done, total, self.reused, seconds)
+        if sys.stderr.isatty():
+            sys.stderr.write("\r" + (line if done < total else "") + "\x1b[K")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def utf8_text(text: str, what: str) -> str:

@@ -22,6 +22,7 @@ from ..converter.errors import ConversionError
 from ..request import NonFiniteLogits
 from . import commands
 from .common import CommandError
+from .interrupted import interrupted
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConversionError, CommandError, CheckpointError,
                                             NonFiniteLogits)
@@ -128,18 +129,18 @@ def unknown_flags(command: str, extra: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        parser.exit(2, unknown_flags(args.command, extra))
+    args = None
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            parser.exit(2, unknown_flags(args.command, extra))
         return args.run(args)
     except USER_ERRORS as e:
         print(f"mlx-dspark {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\nmlx-dspark {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return interrupted(args.command if args is not None else None)
     except BrokenPipeError:
         # The reader left (`| head`): point stdout at /dev/null so that the interpreter's final
         # flush does not complain again, and end quietly.

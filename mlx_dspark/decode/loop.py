@@ -32,7 +32,7 @@ import mlx.core as mx
 from .. import device
 from ..request import Request
 from ..stats import Stats
-from . import budget, constraint as constraints, sampling
+from . import budget, constraint as constraints, pieces, sampling
 from .draw import Draw
 from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
@@ -50,24 +50,32 @@ def _shared_prefix(session: Session, prompt: list[int]) -> int:
     return n if n < len(prompt) and prompt[:n] == session.tokens else 0
 
 
-def prefill(session: Session, prompt: list[int], tap: bool) -> mx.array:
+def prefill(session: Session, prompt: list[int], tap: bool, progress=None) -> mx.array:
     """Feed the prompt (or the part the session has not seen) and return the last logits.
 
-    The prompt goes in pieces cut at the session's ``checkpoints``, and the session is handed
-    to ``on_checkpoint`` after each piece but the last (a prompt cache snapshots it there).
-    The cuts depend on the prompt alone, so a request continued from one of those snapshots
-    computes exactly what the cold run computed after it."""
+    The prompt goes in pieces (pieces.py) that compute what one step over it computes, to the
+    bit: cut at the session's ``checkpoints``, where the session is handed to
+    ``on_checkpoint`` (a prompt cache snapshots it), and every few hundred tokens between
+    them. ``progress(done, total, seconds)`` hears of the start and of each piece, and may
+    raise to stop there (the session then holds the tokens fed so far). The cuts depend on
+    the prompt alone, so a request continued from one of the checkpoints computes exactly
+    what the cold run computed after it."""
     if session.tokens and not _shared_prefix(session, prompt):
         session.reset()
     cuts = [c for c in session.checkpoints if len(session.tokens) < c < len(prompt)]
-    for end in cuts + [len(prompt)]:
+    t0, report = time.perf_counter(), progress or (lambda *_: None)
+    report(len(session.tokens), len(prompt), 0.0)
+    for end in pieces.ends(len(session.tokens), cuts + [len(prompt)], session.target):
         new = prompt[len(session.tokens):end]
         logits, taps = session.target.step(mx.array([new]), session.cache,
                                            tap_layers=session.tap_layers if tap else None,
                                            last_only=True)
         session.feed(new, taps)
-        if end < len(prompt) and session.on_checkpoint is not None:
+        if end < len(prompt) or progress is not None:   # done before the next (its memory
+            mx.eval(logits, taps, session.cache.arrays())   # freed), or before it is reported
+        if end in cuts and session.on_checkpoint is not None:
             session.on_checkpoint(session)
+        report(end, len(prompt), time.perf_counter() - t0)
     return logits[0, -1]
 
 
@@ -169,15 +177,17 @@ def undo_ahead(session: Session):
 # The loop
 
 
-def decode(session: Session, request: Request, stats: Stats | None = None) -> Iterator[int]:
+def decode(session: Session, request: Request, stats: Stats | None = None,
+           progress=None) -> Iterator[int]:
     """The tokens of ``request`` on ``session``: up to ``max_tokens``; a stop token is
     yielded and ends the run. ``stats`` (optional) is filled in as the run goes; its
-    ``finish_reason`` is set just before the last token is yielded. A request the session
-    cannot serve is refused here, before any token is asked for."""
+    ``finish_reason`` is set just before the last token is yielded. ``progress``: the
+    prefill's callback (:func:`prefill`). A request the session cannot serve is refused
+    here, before any token is asked for."""
     check(session, request)
     stats = stats if stats is not None else Stats()
     call = Call(session, constraints.of(request, session.target.config.vocab_size),
-                Processors.of(request))
+                Processors.of(request), progress=progress)
     undo_ahead(session)             # a generator left suspended with a step built ahead
     session.generation += 1
     call.generation = session.generation
@@ -209,7 +219,7 @@ def _first(run: Run) -> int:
     t0 = time.perf_counter()
     stats.reused_tokens = _shared_prefix(session, prompt)
     stats.generated = 0
-    last = prefill(session, prompt, tap=run.tap)[None]
+    last = prefill(session, prompt, tap=run.tap, progress=run.call.progress)[None]
     token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0

@@ -6,6 +6,7 @@ and the controller it runs under."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -78,13 +79,14 @@ class StaleGenerator(RuntimeError):
 class Call:
     """One decode call: its session, the constraint its output follows and the logits
     processors its rows go through (both across the stretches of a thinking budget: the
-    penalties count the reply from the call's own prompt on), and the session generation it
-    owns."""
+    penalties count the reply from the call's own prompt on), the session generation it
+    owns and its prefill's progress callback (loop.prefill)."""
 
     session: Session
     constraint: Unconstrained | Grammatical
     processors: Processors
     generation: int = 0
+    progress: Callable[[int, int, float], None] | None = None
 
     def still_current(self):
         if self.session.generation != self.generation:

@@ -313,6 +313,9 @@ class Block(nn.Module):
 
 
 class NemotronH(nn.Module):
+    # how a long step is cut (decode/pieces.py cuts a prefill to compute the same to the bit)
+    prefill_step, serial_max = PREFILL_STEP, SERIAL_MAX
+
     def __init__(self, cfg: TargetConfig, w: dict, dtype=None, nvfp4=None):
         super().__init__()
         self.config = cfg

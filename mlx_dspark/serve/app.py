@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 
 from starlette.applications import Starlette
@@ -99,12 +100,22 @@ def listen(host: str, port: int):
     return sock
 
 
+def _log_config(uvicorn_config: dict) -> dict:
+    """uvicorn's logging, and the server's own logger (``mlx_dspark.serve``: prefill progress,
+    warnings) on its handler at INFO."""
+    config = copy.deepcopy(uvicorn_config)
+    config["loggers"]["mlx_dspark"] = {"handlers": ["default"], "level": "INFO",
+                                       "propagate": False}
+    return config
+
+
 def serve(engine: Engine, model_id, sock, api_key: str | None,
           defaults: dict | None = None, exposure: Exposure | None = None,
           limits: Limits | None = None, aliases=()):
     """Run on the bound ``sock`` (:func:`listen`) until Ctrl-C or SIGTERM: the generation in
-    flight stops at its next token, every open request ends with an error event, uvicorn
-    closes the connections and the engine thread ends."""
+    flight stops at its next token (or its prefill's next piece), every open request ends
+    with an error event, uvicorn closes the connections and the engine thread ends. The
+    server's own log lines (prefill progress, warnings) go out as uvicorn's do."""
     import uvicorn
 
     from .connections import out_of_files_handler, protocol
@@ -139,5 +150,6 @@ def serve(engine: Engine, model_id, sock, api_key: str | None,
                             # open-file limit before the oldest slow ones are closed
                             backlog=ACCEPT_BATCH,
                             timeout_keep_alive=limits.idle_timeout, log_level="info",
+                            log_config=_log_config(uvicorn.config.LOGGING_CONFIG),
                             timeout_graceful_shutdown=5)
     Server(config).run(sockets=[sock])

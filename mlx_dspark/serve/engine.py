@@ -22,11 +22,13 @@ from .. import api
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
 from ..request import NonFiniteLogits, Request, RequestError
+from ..stats import format_progress
 from . import logprobs
 from .errors import ApiError
 
 log = logging.getLogger("mlx_dspark.serve")
 CANCELLED = "the request was cancelled (its client went away)"
+LOG_AFTER = 1.0     # a prefill that has taken this many seconds logs a line per piece
 
 
 @dataclass(eq=False)          # a job is itself: the queue finds it by identity
@@ -73,6 +75,8 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._current: Job | None = None
+        # the running request's prefill, as /health shows it: {"done", "total", "seconds"}
+        self.prefill: dict | None = None
         self.served = self.cancelled = 0    # generations finished, and stopped early
         self._thread = threading.Thread(target=self._main, name="mlx-dspark-engine",
                                         daemon=True)
@@ -86,7 +90,7 @@ class Engine:
 
     def cancel_all(self, reason: str):
         """End every request with an error event: the waiting ones never start, the running
-        one stops at its next token."""
+        one stops at its next token (or its prefill's next piece)."""
         with self._lock:
             jobs = [self._current, *self._waiting]
             self._active -= len(self._waiting)
@@ -98,7 +102,7 @@ class Engine:
 
     def stop(self):
         """Cancel what is left and end the thread (the generation in flight stops at its next
-        token)."""
+        token, or its prefill's next piece)."""
         if self._thread.is_alive():
             self.cancel_all("the server is shutting down")
             with self._lock:
@@ -117,7 +121,8 @@ class Engine:
 
     def cancel(self, job: Job):
         """``job``'s client is gone: if it waits, it leaves the queue now, so that its place
-        is free for the next request at once; if it runs, it stops at its next token."""
+        is free for the next request at once; if it runs, it stops at its next token (or
+        its prefill's next piece)."""
         job.cancelled.set()
         with self._lock:
             if job not in self._waiting:
@@ -167,7 +172,7 @@ class Engine:
                 self.session.reset()          # the state may be half-updated
                 job.emit("error", f"generation failed: {type(e).__name__}")
             finally:
-                self._current = None
+                self._current = self.prefill = None
                 with self._lock:
                     self._active -= 1
 
@@ -203,36 +208,40 @@ class Engine:
                     break
             else:
                 self.served += 1
-        except _Left:                         # between two prefill pieces; the pieces done
-            self.cancelled += 1               # stay, for a retry to continue from
+        except _Left:                         # between two prefill pieces; those up to the
+            self.cancelled += 1               # last checkpoint stay, for a retry
             job.emit("error", CANCELLED)
         finally:
             stream.close()      # the prompt cache remembers prompt and answer: the next turn
 
     def _generation(self, job: Job, session: Session):
         """The job's generation on ``session``, its prefix restored: the client hears how
-        much was (``"started"``), and a cancelled job stops its prefill at the next piece."""
+        much was (``"started"``), and its prefill reports to :meth:`_prefilling`."""
         job.emit("started", len(session.tokens))
         if self.cache is None:
             session.on_checkpoint = None
-        _stop_between_pieces(session, job)
-        return api.stream(self.pair, job.request, session)
+        return api.stream(self.pair, job.request, session,
+                          progress=self._prefilling(job))
+
+    def _prefilling(self, job: Job):
+        """The progress callback of ``job``'s prefill, called between its pieces (about 512
+        tokens, decode/pieces.py): ``/health`` shows how far it is, the log has a line per
+        piece once it has taken a second, and a cancelled job (its client left, the server
+        stops) stops there, so the engine is free within one piece. A retry continues from
+        the last checkpoint snapshotted (message ends, every CHECKPOINT_EVERY tokens), where
+        it computes what the cold run computes; a snapshot between two pieces would not."""
+        reused = [0]
+
+        def progress(done: int, total: int, seconds: float):
+            if seconds == 0.0:          # the start: the tokens already held
+                reused[0] = done
+            self.prefill = {"done": done, "total": total, "seconds": round(seconds, 3)}
+            if seconds >= LOG_AFTER:
+                log.info(format_progress(done, total, reused[0], seconds))
+            if job.cancelled.is_set():
+                raise _Left
+        return progress
 
 
 class _Left(Exception):
     """The job was cancelled (its client left, or the server stops) during its prefill."""
-
-
-def _stop_between_pieces(session: Session, job: Job):
-    """Make the prefill stop at its next piece once ``job`` is cancelled: the prompt cache
-    cuts a prefill at message ends and every CHECKPOINT_EVERY tokens (cache.start planned
-    them), so a client that leaves a long prompt frees the engine within one piece; the
-    pieces done are remembered first, for a retry to continue from."""
-    checkpoint = session.on_checkpoint
-
-    def between_pieces(s):
-        if checkpoint is not None:
-            checkpoint(s)
-        if job.cancelled.is_set():
-            raise _Left
-    session.on_checkpoint = between_pieces

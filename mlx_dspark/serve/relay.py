@@ -24,7 +24,8 @@ async def events(engine: Engine, job: Job, keepalive: bool = False):
     reused)`` first, when it leaves the queue); with ``keepalive``, a
     ``("keepalive", position)`` after each KEEPALIVE_SECONDS without one (``position`` in
     the queue, None once running). Leaving early (the client went away) cancels the job: a
-    waiting one leaves the queue at once, a running one stops at its next token."""
+    waiting one leaves the queue at once, a running one stops at its next token (or its
+    prefill's next piece)."""
     try:
         while True:
             try:

@@ -1,0 +1,47 @@
+"""Where a prefill stops between its pieces (loop.py ``prefill``), so that a long prompt can be
+seen (a progress callback after each piece) and stopped (a cancellation between two pieces)
+without changing a bit of what it computes.
+
+A prompt's prefill is already cut at its checkpoints (the prompt cache's message ends and
+every ``CHECKPOINT_EVERY`` tokens); each stretch between two of them is fed in pieces counted
+from the stretch's start, which compute exactly what one step over the stretch computes
+(tests/test_prefill_pieces.py): every piece size is a multiple of the Mamba scan's chunk (128
+positions), so the scan's chunks stay where they were, and divides the target's own longest
+step (``prefill_step``, 2048), so its cuts are among ours. A piece that would leave a tail of at
+most ``serial_max`` tokens (the SSM runs those position by position, the chunked scan the rest,
+equal only up to rounding) is not cut there unless the target's own step cuts there too.
+
+The sizes are a measured choice (benchmarks/bench_prefill_pieces.py, docs/serve.md): about a
+second a piece on the 2-core CPU. A token's cost grows with the context before it (attention),
+so the pieces shrink as the prompt grows: ``PIECE`` (512) tokens, half that from 4096 tokens
+of context, a quarter from 8192 (each size divides the one before, so the cuts stay on its
+multiples). Feeding a prompt in pieces costs within the noise of one step."""
+
+from __future__ import annotations
+
+PIECE = 512
+SIZES = ((0, PIECE), (4096, PIECE // 2), (8192, PIECE // 4))   # (from this context on, size)
+
+
+def size_at(position: int, sizes=SIZES) -> int:
+    """The piece size after ``position`` tokens of context."""
+    return next(size for start, size in reversed(sizes) if position >= start)
+
+
+def ends(start: int, stops: list[int], target, sizes=SIZES) -> list[int]:
+    """The positions where a prefill from ``start`` stops: every ``stops`` (its checkpoints,
+    then the prompt's end), and every piece between them (see the module's note). ``target``
+    may name its own step's cuts (``prefill_step``) and how long a block it runs serially
+    (``serial_max``)."""
+    step = getattr(target, "prefill_step", None)
+    serial = getattr(target, "serial_max", 0)
+    out = []
+    for stop in stops:
+        cut = start + size_at(start, sizes)
+        while cut < stop:
+            if stop - cut > serial or (step is not None and (cut - start) % step == 0):
+                out.append(cut)
+            cut += size_at(cut, sizes)
+        out.append(stop)
+        start = stop
+    return out

@@ -1,0 +1,179 @@
+"""Long prompts in ``generate`` and ``chat``, seen and stoppable (issue 33 item 2): a prefill
+that takes more than a second shows its progress on stderr (tokens, rate, time left), a short
+one shows nothing; Ctrl-C stops a prefill before its next piece (about 512 tokens) and at any
+moment of the start (imports, model load) ends the command with one line and exit code 130,
+never a traceback. Real processes of the console script on the embedded demo pair, and the
+progress meter itself on a pipe and on a terminal."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pexpect.popen_spawn
+import pytest
+
+from mlx_dspark.cli.common import CatchInterrupt, PrefillMeter
+from mlx_dspark.decode.pieces import PIECE
+
+SCRIPT = str(Path(sys.executable).parent / "mlx-dspark")
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+GENERATE = [SCRIPT, "generate", "--ignore-chat-template", "-m", "3", "--speculative", "off"]
+# about 3,000 tokens of the demo tokenizer: several seconds of prefill on 2 cores
+LONG = " ".join(f"def f{i}(x): return x + {i}" for i in range(200))
+PROGRESS = re.compile(r"prefill (\d+)/(\d+) tokens, (\d+) tokens/s, about (\d+) s left")
+
+
+@pytest.mark.slow          # subprocesses
+def test_a_short_prompt_shows_no_prefill_progress():
+    r = subprocess.run(GENERATE + ["-p", "def f(x):"], capture_output=True, text=True,
+                       timeout=120, env=ENV)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def _until_progress(proc) -> re.Match:
+    """Read the child's stderr up to its first progress line."""
+    seen = ""
+    while (line := proc.stderr.readline()) != "":
+        seen += line
+        if m := PROGRESS.search(line):
+            return m
+    raise AssertionError(f"no progress line; stderr: {seen}")
+
+
+@pytest.mark.slow          # subprocesses
+def test_ctrl_c_in_generate_during_the_prefill_stops_within_a_piece_and_exits_130():
+    proc = subprocess.Popen(GENERATE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc.stdin.write(LONG)
+    proc.stdin.close()
+    m = _until_progress(proc)          # shown once the prefill has taken a second
+    done, total, rate = int(m[1]), int(m[2]), int(m[3])
+    assert PIECE <= done < total and rate > 0
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    status = proc.wait(60)
+    took = time.monotonic() - t0
+    err, out = proc.stderr.read(), proc.stdout.read()
+    assert status == 130, err
+    assert err.endswith("mlx-dspark generate: interrupted\n") and "Traceback" not in err, err
+    assert out == "\n"                               # no answer: the prefill never ended
+    # within about one piece at the rate it showed, far from the rest of the prompt
+    assert took < max(3.0, 3 * PIECE / rate), (took, rate)
+    assert took < (total - done) / rate, (took, rate, total - done)
+
+
+def _started(proc):
+    """Read the child's stderr until mlx-dspark's ``main`` runs (``PYTHONPROFILEIMPORTTIME``
+    prints each import as it completes): the first import after its package's, pip's console
+    script importing nothing more before it calls ``main``."""
+    seen, package = [], False
+    while (line := proc.stderr.readline()) != "":
+        seen.append(line)
+        if package:
+            return
+        package = line.rstrip().endswith("| mlx_dspark.cli")
+    raise AssertionError(f"mlx-dspark's main never ran: {''.join(seen)}")
+
+
+@pytest.mark.slow          # subprocesses
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_exit_130(command):
+    """From the moment mlx-dspark's ``main`` runs (before it, the interpreter's own start and
+    pip's console script are Python's; README) through its imports, the model load and the
+    prefill."""
+    argv = GENERATE if command == "generate" else [SCRIPT, "chat", "--speculative", "off"]
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.2, 2.0):
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"})
+        proc.stdin.write(LONG + "\n")
+        proc.stdin.flush()
+        _started(proc)
+        rest = []               # read on, so that the child never waits on a full pipe
+        reader = threading.Thread(target=lambda: rest.append(proc.stderr.read()))
+        reader.start()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out = proc.stdout.read()
+        proc.wait(60)
+        reader.join(60)
+        err = "".join(line + "\n" for line in rest[0].splitlines()
+                      if not line.startswith("import time:"))
+        assert "Traceback" not in err, (delay, err)
+        if command == "chat" and proc.returncode == 0:
+            # past the start, chat's Ctrl-C stopped the message (or was at its prompt), and it
+            # read the end of its input
+            assert "it was not sent" in out or "Ctrl-D or /quit exits" in out, (delay, out)
+        else:
+            assert proc.returncode == 130, (delay, proc.returncode, err)
+            assert re.search(r"\nmlx-dspark( \w+)?: interrupted\n$", err), (delay, err)
+
+
+@pytest.mark.slow          # subprocesses
+def test_ctrl_c_in_chat_during_a_long_message_drops_it_and_the_conversation_goes_on():
+    chat = pexpect.popen_spawn.PopenSpawn([SCRIPT, "chat", "--speculative", "off", "-m", "4"],
+                                          encoding="utf-8", timeout=60, env=ENV)
+    chat.expect(">>> ")
+    chat.sendline("def f(x):")
+    chat.expect(r"prompt (\d+) tokens: (\d+) prefilled, (\d+) reused")
+    first = int(chat.match[1])
+    chat.expect(">>> ")
+    chat.sendline(LONG)
+    chat.expect(PROGRESS)                # stderr: merged with stdout here
+    done, total, rate = (int(chat.match[i]) for i in (1, 2, 3))
+    chat.kill(signal.SIGINT)
+    t0 = time.monotonic()
+    chat.expect(r"\(stopped reading the message at (\d+) of (\d+) prompt tokens; it was not "
+                r"sent\)")
+    took = time.monotonic() - t0
+    assert done <= int(chat.match[1]) < int(chat.match[2]) == total
+    assert took < max(3.0, 3 * PIECE / rate), (took, rate)
+    chat.expect(">>> ")
+    # the session went back to the conversation before the message: the next turn reuses it
+    chat.sendline("def g(y):")
+    chat.expect(r"prompt (\d+) tokens: (\d+) prefilled, (\d+) reused")
+    assert int(chat.match[3]) >= first
+    chat.expect(">>> ")
+    chat.sendline("/quit")
+    chat.expect(pexpect.EOF)
+    assert chat.wait() == 0
+    assert "Traceback" not in chat.before
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stderr", [io.StringIO, Terminal])
+def test_the_meter_shows_a_prefill_once_it_has_taken_a_second(monkeypatch, stderr):
+    err = stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    meter = PrefillMeter(CatchInterrupt())
+    for call in [(100, 3000, 0.0), (612, 3000, 0.5), (1124, 3000, 1.25), (3000, 3000, 3.2)]:
+        meter(*call)
+    # the rate counts the tokens prefilled, not the 100 reused: 1024 in 1.25 s
+    line = "prefill 1124/3000 tokens, 819 tokens/s, about 2 s left"
+    if stderr is Terminal:        # one line rewritten in place, cleared once done
+        assert err.getvalue() == f"\r{line}\x1b[K\r\x1b[K"
+    else:
+        assert err.getvalue() == f"{line}\nprefill 3000/3000 tokens, 906 tokens/s, 3.2 s\n"
+
+
+def test_the_meter_stops_an_unfinished_prefill_after_ctrl_c(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    interrupt = CatchInterrupt()
+    meter = PrefillMeter(interrupt)
+    meter(0, 2000, 0.0)
+    interrupt.hit = True
+    with pytest.raises(KeyboardInterrupt):
+        meter(512, 2000, 0.4)
+    meter(2000, 2000, 1.5)         # done: the first token comes, and stops the answer
