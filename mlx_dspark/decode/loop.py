@@ -54,12 +54,10 @@ def prefill(session: Session, prompt: list[int], tap: bool, progress=None) -> mx
     """Feed the prompt (or the part the session has not seen) and return the last logits.
 
     The prompt goes in pieces (pieces.py) that compute what one step over it computes, to the
-    bit: cut at the session's ``checkpoints``, where the session is handed to
-    ``on_checkpoint`` (a prompt cache snapshots it), and every few hundred tokens between
-    them. ``progress(done, total, seconds)`` hears of the start and of each piece, and may
-    raise to stop there (the session then holds the tokens fed so far). The cuts depend on
-    the prompt alone, so a request continued from one of the checkpoints computes exactly
-    what the cold run computed after it."""
+    bit: cut at the session's ``checkpoints`` (handed to ``on_checkpoint``: a prompt cache
+    snapshots it) and every few hundred tokens. ``progress(done, total, seconds)`` hears of
+    the start and each piece, and may raise to stop there. The cuts depend on the prompt
+    alone, so a run continued from a checkpoint computes exactly what the cold run did."""
     if session.tokens and not _shared_prefix(session, prompt):
         session.reset()
     cuts = [c for c in session.checkpoints if len(session.tokens) < c < len(prompt)]
