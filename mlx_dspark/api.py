@@ -24,7 +24,7 @@ from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
 from .text.stops import StopScanner
-from .text.tokenizer import load_tokenizer, prompt_ids
+from .text.tokenizer import load_tokenizer, message_boundaries, prompt_ids
 
 DEMO = Path(__file__).parent / "demo"
 
@@ -55,8 +55,10 @@ class Pair:
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
         calls whose prompts extend each other (a chat) and only the new tokens are
-        prefilled. Any number of sessions live on one pair. The pair keeps what the
-        sessions' controller learns about this machine.
+        prefilled; a history rendered otherwise goes on from before the previous prompt's
+        last token, and new messages alone continue the conversation held (mlx-lm's
+        ``prompt_cache`` habit; docs/prompt-cache.md). Any number of sessions live on one
+        pair. The pair keeps what the sessions' controller learns about this machine.
 
         The mode belongs to each call (``speculative=``); the argument here is accepted for
         code written before, and ignored."""
@@ -65,7 +67,7 @@ class Pair:
             warnings.warn("pair.session(mode): a session no longer takes a mode; pass "
                           "speculative= to each generate() call", DeprecationWarning,
                           stacklevel=2)
-        return Session(self.target, self.drafter, home=self)
+        return Session(self.target, self.drafter, home=self, keep_prompt=True)
 
     def __iter__(self):
         # mlx-lm's ``model, tokenizer = load(...)``: one line with this package's spelling.
@@ -109,7 +111,9 @@ class Chunk:
     reason ("stop" or "length"; None before). ``stop`` says whether ``token`` is a stop token
     (the last chunk's, when one ended the run): it is not part of ``Result.tokens`` and its
     text is only what the detokenizer still held back. ``stats`` is a snapshot of the run so
-    far (:class:`~mlx_dspark.stats.Stats`; peak memory on the last chunk only)."""
+    far (:class:`~mlx_dspark.stats.Stats`; peak memory on the last chunk only). mlx-lm's
+    fields are on every chunk, as they stand at its token: ``prompt_tokens``, ``prompt_tps``,
+    ``generation_tokens``, ``generation_tps`` and ``peak_memory`` (MLX's peak so far, GB)."""
 
     text: str
     token: int
@@ -118,10 +122,19 @@ class Chunk:
     reasoning: str = ""
     thinking: bool = False
     stop_string: str | None = None      # the stop string that ended the run (last chunk)
+    peak_memory: float = field(default_factory=lambda: _peak_bytes() / 1e9)  # GB, so far
 
     @property
     def finish_reason(self):
         return self.stats.finish_reason
+
+    # what ended a "length" run: "max_tokens" or "context" (the model's limit)
+    finish_detail = property(lambda self: self.stats.finish_detail)
+    # mlx-lm's GenerationResponse fields, current on every chunk
+    prompt_tokens = property(lambda self: self.stats.prompt_tokens)
+    prompt_tps = property(lambda self: self.stats.prompt_tokens_per_s)
+    generation_tokens = property(lambda self: self.stats.generated)
+    generation_tps = property(lambda self: self.stats.tokens_per_s)
 
     @property
     def part(self) -> str | None:
@@ -144,6 +157,8 @@ class Result:
     def finish_reason(self):
         return self.stats.finish_reason
 
+    finish_detail = property(lambda self: self.stats.finish_detail)
+
 
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
          memory_check: bool = True, warm: bool = True,
@@ -161,9 +176,9 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     config (checkpoint/pairing.py: NVIDIA's DSpark drafter for Nemotron 3.5 Lightning, in any
     layout), else none; the CLI's default with ``--model``. ``model=None`` loads the embedded
     demonstration pair (a small demo model, not Nemotron); then ``drafter`` None or
-    ``"dspark"`` (also ``"mtp"``, ``"eagle3"``, ``"dflash"``) names an embedded demo drafter. With an explicit
-    ``model``, ``drafter=None`` means no drafter (serial decoding). ``model`` may also be in
-    mlx-lm's layout or a plain Hugging Face download, loaded as it is (docs/formats.md).
+    ``"dspark"`` (``"mtp"``, ``"eagle3"``, ``"dflash"``) names an embedded demo drafter. With
+    an explicit ``model``, ``drafter=None`` means no drafter (serial decoding). ``model`` may
+    be in mlx-lm's layout or a plain Hugging Face download, loaded as it is (docs/formats.md).
     ``verify``: how much of both checkpoints is checked against their conversion receipts
     before loading: ``"auto"`` (default: every byte of a small checkpoint, sizes and sampled
     blocks of a large one), ``"full"``, ``"fast"``, or ``"none"`` for directories without a
@@ -464,6 +479,10 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
 
 def _stream_generate(pair, prompt, max_tokens, session, options,
                      progress=None) -> Iterator[Chunk]:
+    messages = prompt if isinstance(prompt, list) and prompt \
+        and all(isinstance(m, dict) for m in prompt) else None
+    if session is not None and messages is not None:
+        prompt = messages = session.continued(messages)
     if isinstance(prompt, Request):
         given = [*options] + (["max_tokens"] if max_tokens is not None else [])
         if given:
@@ -474,13 +493,27 @@ def _stream_generate(pair, prompt, max_tokens, session, options,
     else:
         request = make_request(pair, prompt, max_tokens, **options)
     boundaries = ()
-    if session is None and pair.prompt_cache is not None and isinstance(prompt, list) \
-            and prompt and all(isinstance(m, dict) for m in prompt):
-        from .text.tokenizer import message_boundaries
+    if session is None and pair.prompt_cache is not None and messages is not None:
         boundaries = message_boundaries(pair.tokenizer, prompt,
                                         options.get("chat_template_kwargs") or {},
                                         list(request.prompt))
-    return stream(pair, request, session, boundaries, progress)
+    chunks = stream(pair, request, session, boundaries, progress)
+    return chunks if session is None else _holding(chunks, session, messages, session.generation)
+
+
+def _holding(chunks: Iterator[Chunk], session: Session, messages, mine: int) -> Iterator[Chunk]:
+    """``chunks``; then the session holds ``messages`` and the answer (none after text or ids;
+    unchanged when a call after this, the ``mine``-th, took the session over)."""
+    text = []
+    try:
+        for chunk in chunks:
+            text.append(chunk.text)
+            yield chunk
+    finally:
+        chunks.close()
+        if session.generation == mine:
+            session.messages = [] if messages is None else \
+                messages + [{"role": "assistant", "content": "".join(text)}]
 
 
 def stream(pair: Pair, request: Request, session: Session | None = None,
@@ -550,7 +583,7 @@ def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
                 seen, stop_string = stop_string, None
             complete = complete_after is not None and not stop and complete_after(token)
             if stop_string is not None or (seen and complete and not last):
-                stats.finish_reason = "stop"
+                stats.finish_reason, stats.finish_detail = "stop", None
                 cut = scanned + end if stop_string is not None else len(text)
                 last_chunk = chunk(text[shown:cut], token, True)
                 last_chunk.stop_string = stop_string or seen
@@ -601,10 +634,14 @@ def _snapshot(stats: Stats, last: bool) -> Stats:
     allocator (weights, caches, activations) and the process's peak resident set, in GB
     (10^9 bytes, as mlx-lm)."""
     if last:
-        import mlx.core as mx
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        stats.peak_memory_gb = _peak_bytes() / 1e9
         stats.peak_rss_gb = _peak_rss_bytes() / 1e9
     return stats.snapshot()
+
+
+def _peak_bytes() -> int:
+    import mlx.core as mx
+    return mx.get_peak_memory()
 
 
 def _peak_rss_bytes() -> int:

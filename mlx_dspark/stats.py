@@ -28,6 +28,7 @@ class Stats(Mapping):
     requested: str = "auto"       # the request's speculative mode
     mode: str = "serial"          # what the controller was doing at the end
     finish_reason: str | None = None
+    finish_detail: str | None = None  # what ended a "length" run: "max_tokens" or "context"
     prompt_tokens: int = 0
     reused_tokens: int = 0        # prompt tokens a session already held (not prefilled again)
     generated: int = 0
@@ -125,6 +126,7 @@ class Stats(Mapping):
             "mode": self.mode,
             "requested": self.requested,
             "finish_reason": self.finish_reason,
+            "finish_detail": self.finish_detail,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "generated_tokens": self.generated,
@@ -213,7 +215,7 @@ def format_stats(stats: Stats) -> list[str]:
         f"rounds: {format_rounds(stats)}",
         f"mean accepted per round: {stats.mean_accepted_per_round:.2f}{of}",
         f"acceptance by position: {format_acceptance(stats)}{of}",
-        f"finish: {stats.finish_reason}",
+        f"finish: {format_finish(stats)}",
     ]
     if stats.sampling is not None:
         seed = "" if stats.seed is None else f", seed {stats.seed}"    # a user's sampler: none
@@ -224,13 +226,19 @@ def format_stats(stats: Stats) -> list[str]:
     return lines
 
 
+def format_finish(stats: Stats) -> str:
+    """The finish reason, "context" for a run the model's context limit ended (a "length"
+    run whose ``max_tokens`` had room left)."""
+    return "context" if stats.finish_detail == "context" else str(stats.finish_reason)
+
+
 def format_line(stats: Stats) -> str:
     """The same facts on one line (the chat's status after each answer)."""
     return (f"[{stats.generated} tokens, {stats.tokens_per_s:.1f} tokens/s, "
             f"accepted {stats.mean_accepted_per_round:.2f}/round "
             f"({format_acceptance(stats)}), prompt {stats.prompt_tokens} tokens: "
             f"{stats.prefilled_tokens} prefilled, {stats.reused_tokens} reused, {stats.mode}, "
-            f"{stats.finish_reason}]")
+            f"{format_finish(stats)}]")
 
 
 def format_progress(done: int, total: int, reused: int, seconds: float) -> str:

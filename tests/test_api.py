@@ -201,3 +201,24 @@ def test_any_integer_seed_is_accepted_modulo_two_to_the_64(pair):
     with pytest.raises(RequestError, match="seed must be an integer") as e:
         md.generate(pair, PROMPTS[0], seed=1.5, **kw)
     assert e.value.param == "seed"
+
+
+@pytest.mark.parametrize("speculative", ["off", "on"])
+def test_every_chunk_carries_mlx_lms_fields_as_they_stand_at_its_token(pair, speculative):
+    """mlx-lm's GenerationResponse names (read off mlx-lm itself), on every chunk and current
+    there; before, only ``stats`` (peak memory on the last chunk alone)."""
+    import dataclasses
+    import importlib
+    names = {f.name for f in dataclasses.fields(
+        importlib.import_module("mlx_lm.generate").GenerationResponse)}
+    wanted = {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps",
+              "peak_memory"}
+    assert wanted <= names
+    prompt = list(range(5, 25))
+    chunks = list(md.stream_generate(pair, prompt, max_tokens=12, speculative=speculative))
+    assert [c.generation_tokens for c in chunks] == list(range(1, 13))
+    assert all(c.prompt_tokens == 20 and c.prompt_tps > 0 for c in chunks)
+    assert all(c.generation_tps > 0 for c in chunks[4:])
+    peaks = [c.peak_memory for c in chunks]
+    assert peaks[0] > 0 and peaks == sorted(peaks)
+    assert abs(peaks[-1] - chunks[-1].stats.peak_memory_gb) < 1e-9

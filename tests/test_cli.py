@@ -149,6 +149,40 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(pair):
     assert child.exitstatus == 0
 
 
+# chat without GNU readline (macOS's libedit, or none): what reaches input() is the terminal's
+NO_READLINE = ("import runpy, sys; sys.modules['readline'] = None; "
+               "runpy.run_module('mlx_dspark.cli', run_name='__main__')")
+PASTED = "def reverse(s):\n    return s[::-1]\nTest it."
+
+
+@pytest.mark.parametrize("editor", ["readline", "none"])
+def test_chat_takes_a_pasted_block_as_one_message(pair, pair_dirs, editor):
+    """Issue 33: each pasted line was a turn. Chat turns the terminal's bracketed paste on and
+    takes what comes between its marks as one message."""
+    from mlx_dspark import api
+    if editor == "readline":
+        child = spawn_chat(pair, "--max-tokens", "4")
+    else:
+        child = pexpect.spawn(sys.executable, ["-c", NO_READLINE, "chat", *pair,
+                                               "--max-tokens", "4"],
+                              encoding="utf-8", timeout=60, dimensions=(24, 250))
+        child.expect(">>> ")
+    assert "\x1b[?2004h" in child.before               # bracketed paste on, before the prompt
+    child.send("\x1b[200~" + PASTED.replace("\n", "\r") + "\x1b[201~")
+    child.send("\r")
+    child.expect(STATUS)
+    answer = _status(child.match)
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r"turns: (\d+),")
+    assert child.match.group(1) == "1"
+    child.expect(">>> ")
+    quit_with_eof(child)
+    pair = api.load(*pair_dirs, dtype="float32", warm=False)
+    whole = api.make_request(pair, [{"role": "user", "content": PASTED}])
+    assert answer["prompt"] == len(whole.prompt)       # all three lines, in one message
+
+
 # ---------------------------------------------------------------------------------------------
 # generate
 
@@ -160,7 +194,7 @@ STATS_LINES = {
     "rounds": r"(\d+) speculative, (\d+) serial",
     "mean accepted per round": r"([\d.]+)",
     "acceptance by position": r"((?:[\d.]+|-)(?: (?:[\d.]+|-))*)",
-    "finish": r"(length|stop)",
+    "finish": r"(length|stop|context)",
     "peak memory": r"([\d.]+) GB \(MLX\), process peak RSS ([\d.]+) GB",
 }
 
@@ -196,6 +230,16 @@ def test_generate_stats_parse_and_agree_with_the_run(pair):
     assert generated == 1 + serial + rounds + round(accepted * rounds)
     assert float(s["generation"][1]) > 0
     assert p.stdout.endswith("\n") and len(p.stdout) > 1
+
+
+def test_generate_names_the_context_limit_as_the_finish(pair):
+    """Issue 33: a run the context limit (the fixture's 512 positions) ended said `length`."""
+    p = run("generate", *pair, "--ignore-chat-template", "-p", "x = 1\n" * 120,
+            "--max-tokens", "400", "--speculative", "off", "--stats")
+    assert p.returncode == 0, p.stderr
+    s = parse_stats(p.stderr)
+    assert s["finish"] == ("context",)
+    assert int(s["prompt"][0]) + int(s["generation"][0]) == 512
 
 
 def test_generate_reads_stdin_and_streams_the_api_text(pair, pair_dirs):

@@ -147,12 +147,42 @@ def test_later_turns_reuse_the_prefix_and_equal_a_cold_start(client, pair):
         cached = usage.prompt_tokens_details.cached_tokens
         assert cached == stats["reused_tokens"]
         if turn:
-            # at least the previous turn's prompt was held, and only the rest was prefilled
-            assert cached >= len(prompt_ids(pair.tokenizer, messages[:-2])), f"turn {turn}"
+            # at least the previous turn's prompt was held (all but its last token: the
+            # prompt cache keeps the state before it), and only the rest was prefilled
+            assert cached >= len(prompt_ids(pair.tokenizer, messages[:-2])) - 1, f"turn {turn}"
         else:
             assert cached == 0
         messages += [{"role": "assistant", "content": text},
                      {"role": "user", "content": f"now the version {turn + 2}"}]
+
+
+# about 4,000 tokens of text, and no message boundary in it
+LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(220))
+
+
+def test_the_same_long_completion_twice_reuses_all_but_its_last_token(client, pair):
+    """Issue 33: a completion has no message boundary, so nothing was kept but the states
+    after the prompt and the answer, neither a proper prefix of the same prompt again:
+    `cached 0` both times. The prompt cache now keeps the state before the last token."""
+    want = api.generate(pair, LONG, max_tokens=12, temperature=0).text   # no cache at all
+    n = len(pair.tokenizer.encode(LONG, add_special_tokens=False))
+    assert n > 3900
+    for turn in range(2):
+        text, _, usage = _complete(client, LONG, max_tokens=12, temperature=0)
+        assert text == want, f"turn {turn}"
+        assert usage.prompt_tokens == n
+        assert usage.prompt_tokens_details.cached_tokens == (n - 1 if turn else 0)
+
+
+def test_a_single_message_chat_repeated_reuses_its_prompt(client, pair):
+    messages = [{"role": "user", "content": "def repeated_question(a, b):"}]
+    want = api.generate(pair, messages, max_tokens=16, temperature=0).text
+    n = len(prompt_ids(pair.tokenizer, messages))
+    for turn in range(2):
+        text, _, usage, _ = _chat(client, messages, stream=bool(turn), max_tokens=16,
+                                  temperature=0)
+        assert text == want, f"turn {turn}"
+        assert usage.prompt_tokens_details.cached_tokens == (n - 1 if turn else 0)
 
 
 def _health(url):

@@ -22,6 +22,7 @@ import sys
 
 from .. import api
 from ..decode.pieces import ends as piece_ends
+from ..decode.session import Session
 from ..request import SEEDS
 from ..stats import Stats, format_line, format_stats
 from ..text.tokenizer import _encode, message_boundaries, prompt_ids, template_options
@@ -42,6 +43,11 @@ drops the message)."""
 
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"     # how thinking is shown on a terminal
+# Bracketed paste: a terminal in this mode sends pasted text between these marks, so a pasted
+# block of lines is one message. GNU readline reads the marks itself; without it (libedit,
+# no readline) they reach the line read, and _read_message joins the lines between them.
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 
 
 class Conversation:
@@ -84,7 +90,8 @@ class Conversation:
 class Chat:
     def __init__(self, pair, args):
         self.pair, self.args = pair, args
-        self.session = pair.session()
+        # its prompts always extend what it holds (Conversation): no state kept besides
+        self.session = Session(pair.target, pair.drafter, home=pair)
         self.conversation = Conversation(pair.tokenizer,
                                          template_options(pair.tokenizer, args.reasoning,
                                                           args.chat_template_args),
@@ -144,6 +151,16 @@ class Chat:
               f"/help lists the commands, Ctrl-D exits.")
         if hasattr(sys.stdin, "reconfigure"):    # bytes that are not UTF-8 reach utf8_text
             sys.stdin.reconfigure(errors="surrogateescape")
+        paste = sys.stdin.isatty() and sys.stdout.isatty()
+        if paste:
+            _write(PASTE_ON)
+        try:
+            return self._run()
+        finally:
+            if paste:
+                _write(PASTE_OFF)
+
+    def _run(self) -> int:
         if self.args.resume is not None:
             from ..prompt_cache.disk import SnapshotError
             try:
@@ -152,7 +169,7 @@ class Chat:
                 raise CommandError(f"--resume {self.args.resume}: {e}") from None
         while True:
             try:
-                line = input(">>> ").strip()
+                line = _read_message()
                 if line.startswith('"""'):
                     line = _read_block(line[3:])
                 utf8_text(line, "that message")
@@ -328,6 +345,15 @@ def default_prompt_dir():
     """Where saved conversations go without --prompt-cache-dir."""
     from ..checkpoint.hub import cache_root
     return cache_root() / "prompts"
+
+
+def _read_message() -> str:
+    """One message: a line, or every line of a paste the terminal marked (bracketed paste)."""
+    lines = [input(">>> ")]
+    if PASTE_START in lines[0]:
+        while PASTE_END not in lines[-1]:
+            lines.append(input())
+    return "\n".join(lines).replace(PASTE_START, "").replace(PASTE_END, "").strip()
 
 
 def _read_block(first: str) -> str:

@@ -174,6 +174,7 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
         raise CommandError("--prompt: empty text")
     pair = load_pair(args)
     from ..decode.loop import prefill
+    from ..decode.session import Session
     from ..prompt_cache.disk import SnapshotError, open_store
     from ..text.tokenizer import _encode
     from .chat import default_prompt_dir
@@ -191,7 +192,7 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
         path = store.named_path(args.output)
     except (SnapshotError, OSError) as e:
         raise CommandError(f"prompt cache: {e}") from None
-    session = pair.session()
+    session = Session(pair.target, pair.drafter, home=pair)    # one piece, as a cold serve's
     t0 = time.perf_counter()
     prefill(session, ids, tap=pair.drafter is not None, progress=PrefillMeter())
     snap = session.snapshot()

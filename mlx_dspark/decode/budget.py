@@ -45,6 +45,8 @@ def think_within_budget(request: Request, stats: Stats, call: Call,
         merged.reused_tokens = runs[0].reused_tokens if runs else 0
         merged.generated, merged.generations = len(reply), max(1, len(runs))
         merged.finish_reason = finish
+        merged.finish_detail = None if finish != "length" else \
+            "max_tokens" if len(reply) >= request.max_tokens else "context"
         vars(stats).update(vars(merged))
 
     def room() -> int:

@@ -44,23 +44,18 @@ from .session import Session
 # The steps
 
 
-def _shared_prefix(session: Session, prompt: list[int]) -> int:
-    """How many prompt tokens the session already holds (all of its tokens, or none)."""
-    n = len(session.tokens)
-    return n if n < len(prompt) and prompt[:n] == session.tokens else 0
-
-
 def prefill(session: Session, prompt: list[int], tap: bool, progress=None) -> mx.array:
-    """Feed the prompt (or the part the session has not seen) and return the last logits.
+    """Feed the prompt (or the part after the longest prefix the session holds, Session.reuse)
+    and return the last logits.
 
     The prompt goes in pieces (pieces.py) that compute what one step over it computes, to the
-    bit: cut at the session's ``checkpoints`` (handed to ``on_checkpoint``: a prompt cache
-    snapshots it) and every few hundred tokens. ``progress(done, total, seconds)`` hears of
-    the start and each piece, and may raise to stop there. The cuts depend on the prompt
-    alone, so a run continued from a checkpoint computes exactly what the cold run did."""
-    if session.tokens and not _shared_prefix(session, prompt):
-        session.reset()
-    cuts = [c for c in session.checkpoints if len(session.tokens) < c < len(prompt)]
+    bit: cut at the session's ``cuts`` (its ``checkpoints``, and before the last token when it
+    keeps that state; ``session.checkpoint`` runs there: a prompt cache snapshots it) and every
+    few hundred tokens. ``progress(done, total, seconds)`` hears of the start and each piece,
+    and may raise to stop there. The cuts depend on the prompt alone, so a run continued from
+    a checkpoint computes exactly what the cold run did."""
+    session.reuse(prompt)
+    cuts = session.cuts(prompt)
     t0, report = time.perf_counter(), progress or (lambda *_: None)
     report(len(session.tokens), len(prompt), 0.0)
     for end in pieces.ends(len(session.tokens), cuts + [len(prompt)], session.target):
@@ -71,8 +66,8 @@ def prefill(session: Session, prompt: list[int], tap: bool, progress=None) -> mx
         session.feed(new, taps)
         if end < len(prompt) or progress is not None:   # done before the next (its memory
             mx.eval(logits, taps, session.cache.arrays())   # freed), or before it is reported
-        if end in cuts and session.on_checkpoint is not None:
-            session.on_checkpoint(session)
+        if end in cuts:
+            session.checkpoint(prompt)
         report(end, len(prompt), time.perf_counter() - t0)
     return logits[0, -1]
 
@@ -215,7 +210,7 @@ def _first(run: Run) -> int:
     """Prefill the prompt and choose the first token (the first bonus)."""
     session, stats, prompt = run.session, run.stats, list(run.request.prompt)
     t0 = time.perf_counter()
-    stats.reused_tokens = _shared_prefix(session, prompt)
+    stats.reused_tokens = session.reuse(prompt)
     stats.generated = 0
     last = prefill(session, prompt, tap=run.tap, progress=run.call.progress)[None]
     token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
@@ -237,13 +232,14 @@ def _emit(run: Run, out: list[int]):
         run.call.still_current()
     token = out[-1]
     stats.generated += 1
-    room = run.request.max_tokens - stats.generated
+    room = asked = run.request.max_tokens - stats.generated
     if session.target.context_limit is not None:
         room = min(room, session.target.context_limit - len(session.tokens) - 1)
     if token in run.request.stop_tokens:
         stats.finish_reason = "stop"
     elif room <= 0:
-        stats.finish_reason = "length"
+        stats.finish_reason, stats.finish_detail = "length", \
+            "max_tokens" if asked <= 0 else "context"
     if stats.finish_reason is not None and run.scores is not None:
         stats.logprobs = run.scored()
     yield token

@@ -91,15 +91,21 @@ class Session:
     with a prompt that extends ``tokens`` (a chat's next turn): only the new suffix is
     prefilled. With no drafter the session never speculates and collects no taps. Taps older
     than the drafter's ``context_keep`` are dropped while queued (no query will see them), so
-    a long serial stretch keeps a window of them, not all."""
+    a long serial stretch keeps a window of them, not all.
+
+    ``keep_prompt`` (``pair.session()``): prefill stops before each call's last prompt
+    token and keeps that state (``kept``), so that a prompt that begins with it but not with
+    all the session holds (a chat history the template renders otherwise after the last
+    prompt, the same prompt again) continues from there instead of from nothing."""
 
     PENDING_WINDOWS = 2     # queue up to this many windows of taps before dropping old ones
 
     def __init__(self, target: Target, drafter: Drafter | None = None,
-                 home: ControllerHome | None = None):
+                 home: ControllerHome | None = None, keep_prompt: bool = False):
         self.target = target
         self.drafter = drafter
         self.home = home if home is not None else ControllerHome()
+        self.keep_prompt = keep_prompt
         # Where prefill stops to take a snapshot (absolute positions) and what receives it:
         # a prompt cache sets both before a request (prompt_cache/); reset keeps them.
         self.checkpoints: tuple[int, ...] = ()
@@ -126,6 +132,60 @@ class Session:
         self.pending_start = 0
         self.pending_rows = 0
         self.ahead = None   # a serial step built ahead and not yet fed (loop.Ahead)
+        self.kept: Snapshot | None = None   # before the last prompt's last token (keep_prompt)
+        self.kept_in = -1                   # the generation (call) that kept it
+        # The chat messages these tokens are, with the answer, when the API was given
+        # messages (api.py continues the conversation from them).
+        self.messages: list[dict] = []
+
+    def continued(self, messages: list[dict]) -> list[dict]:
+        """The conversation ``messages`` ask for (mlx-lm's ``prompt_cache`` habit): messages
+        whose first is not the held conversation's are its next messages, not a new
+        conversation (``reset()`` starts one)."""
+        held = self.messages
+        return held + messages if held and self.tokens and messages[0] != held[0] \
+            else messages
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Put the session at the longest prefix of ``prompt`` it holds and return its
+        length: all its tokens when the prompt extends them, else its ``kept`` state
+        (restored) when the prompt begins with that, else none (the caches start empty). At
+        least the prompt's last token is always left to prefill, for the next logits."""
+        kept, kept_in = self.kept, self.kept_in
+        if _begins(prompt, self.tokens):
+            pass
+        elif kept is not None and _begins(prompt, kept.tokens):
+            self._take(kept)
+            self.kept, self.kept_in = kept, kept_in
+        else:
+            self.reset()
+        if self.keep_prompt and len(self.tokens) == len(prompt) - 1 \
+                and self.kept_in != self.generation \
+                and (self.kept is None or self.kept.tokens != tuple(self.tokens)):
+            self._keep()        # no cut is left to keep it at
+        return len(self.tokens)
+
+    def cuts(self, prompt: list[int]) -> list[int]:
+        """Where prefill stops before the end of ``prompt``: the ``checkpoints``, and before its
+        last token when the session keeps that state."""
+        ends = {c for c in self.checkpoints if len(self.tokens) < c < len(prompt)}
+        if self.keep_prompt and self.kept_in != self.generation \
+                and len(self.tokens) < len(prompt) - 1:
+            ends.add(len(prompt) - 1)
+        return sorted(ends)
+
+    def checkpoint(self, prompt: list[int]):
+        """Prefill stopped at one of :meth:`cuts`: keep the state before the prompt's last
+        token (once per call: a thinking budget's later stretch keeps the request's), and hand
+        the session to ``on_checkpoint``."""
+        if self.keep_prompt and len(self.tokens) == len(prompt) - 1 \
+                and self.kept_in != self.generation:
+            self._keep()
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self)
+
+    def _keep(self):
+        self.kept, self.kept_in = self.snapshot(), self.generation
 
     @property
     def tap_layers(self):
@@ -199,6 +259,10 @@ class Session:
             raise ValueError(f"this snapshot does not restore into this session: {problem} "
                              f"(the session is unchanged)")
         self.generation += 1
+        self._take(snap)
+
+    def _take(self, snap: "Snapshot"):
+        """Continue from ``snap`` (checked), within the call that runs."""
         self.reset()
         self.cache.restore(snap.cache)
         if self.draft_cache is not None:
@@ -234,6 +298,12 @@ class Snapshot:
 
     def with_nbytes(self) -> "Snapshot":
         return replace(self, nbytes=sum(x.nbytes for x in self.arrays()))
+
+
+def _begins(prompt: list[int], held) -> bool:
+    """Whether ``held`` tokens are a proper prefix of ``prompt``."""
+    n = len(held)
+    return n < len(prompt) and list(prompt[:n]) == list(held)
 
 
 def _arrays(tree) -> list[mx.array]:

@@ -4,10 +4,11 @@
 Before a request, :meth:`PromptCache.start` restores the longest snapshot of the request's
 space whose tokens begin the prompt (memory or disk, whichever holds more of it) and plans
 checkpoints for the rest of the prefill: the end of each chat message (``boundaries``: the
-end of the system prompt and tool definitions is the first) and every ``every`` tokens of a
-long prompt. Prefill stops at each (speculative.prefill), the session is snapshotted, and a
+end of the system prompt and tool definitions is the first), every ``every`` tokens of a
+long prompt, and before its last token (the same prompt again, a completion or a single
+message, finds all but that token). Prefill stops at each (speculative.prefill), the session is snapshotted, and a
 later request that shares the prefix up to there, whatever follows, continues from it. The
-engine also remembers the end of each prompt and of each answer (the next turn of a chat).
+engine also remembers the end of each answer (the next turn of a chat).
 
 A request continued from a checkpoint computes what its cold run computed after that point,
 piece for piece: the cuts come from the prompt alone (its message ends and multiples of
@@ -48,6 +49,8 @@ class PromptCache:
         start, end = len(session.tokens), len(prompt)
         cuts = {b for b in boundaries if start < b < end}
         cuts.update(range((start // self.every + 1) * self.every, end, self.every))
+        if start < end - 1:     # before the last token: serves this prompt again, and any
+            cuts.add(end - 1)   # longer one (an identical repeat has no other boundary)
         session.checkpoints = tuple(sorted(cuts))
         session.on_checkpoint = lambda s: self.remember(s, space)
         return start
@@ -78,16 +81,17 @@ class PromptCache:
         server's engine run a generation on a cached session: ``session`` first continues
         from the longest cached prefix of ``prompt`` (None: as it stands, a chat's next
         turn), checkpoints are taken while it prefills, and its state is remembered at the
-        end of the prompt (once the first chunk is out, before the next token is fed) and at
-        the end of the generation, also when the consumer stops early; not after a failure,
-        which may leave the state half-updated."""
+        end of the prompt (with a ``prompt``: before its last token, a checkpoint; else once
+        the first chunk is out, before the next token is fed) and at the end of the
+        generation, also when the consumer stops early; not after a failure, which may leave
+        the state half-updated."""
         if prompt is not None:
             self.start(session, prompt, boundaries, space)
         chunks = generation(session)
         try:
             for i, chunk in enumerate(chunks):
                 yield chunk
-                if i == 0:      # once the first token is out: the state is still the prompt's
+                if i == 0 and prompt is None:   # the first token is out: the prompt's state
                     self.remember(session, space)
         except GeneratorExit:           # the consumer stopped early: what was fed is kept
             pass

@@ -245,6 +245,8 @@ class MessageReply:
     def stop_reason(self) -> str:
         if self.stop_sequence is not None:
             return "stop_sequence"
+        if self.answer.finish_reason == "length" and self.answer.stats.finish_detail == "context":
+            return "model_context_window_exceeded"   # Anthropic's: the context window filled
         return STOP_REASONS[self.answer.finish_reason]
 
     def usage(self) -> dict:

@@ -202,6 +202,10 @@ class Engine:
                     job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
                                                            tokens, chunk.stats.logprobs))
                 job.emit("chunk", chunk)
+                if chunk.stats.finish_detail == "context":
+                    log.warning("a reply ended at the model's context limit (%s tokens: %d of "
+                             "prompt, %d generated)", self.pair.target.context_limit,
+                             chunk.stats.prompt_tokens, chunk.stats.generated)
                 if job.cancelled.is_set() and chunk.finish_reason is None:
                     self.cancelled += 1
                     job.emit("error", CANCELLED)   # ends a handler still waiting for it

@@ -411,6 +411,15 @@ class Reply:
     def finish_reason(self) -> str:
         return self.answer.finish_reason
 
+    def ends(self) -> dict:
+        """The choice's finish fields: ``finish_reason``, and for "length" ``finish_detail``,
+        what cut it: "max_tokens" or "context" (the model's context limit; OpenAI's reason
+        stays "length", as its clients expect)."""
+        out = {"finish_reason": self.finish_reason}
+        if self.finish_reason == "length":
+            out["finish_detail"] = self.stats.finish_detail
+        return out
+
     def usage(self) -> dict:
         prompt, tokens = self.stats.prompt_tokens, self.answer.tokens
         usage = {"prompt_tokens": prompt, "completion_tokens": tokens,
@@ -434,11 +443,10 @@ class Reply:
             if a.calls:
                 message["tool_calls"] = [c.openai() for c in a.calls]
             choice = {"index": 0, "message": message, "logprobs": self.logprobs,
-                      "finish_reason": self.finish_reason}
+                      **self.ends()}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs,
-                      "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs, **self.ends()}
             obj = "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": self.usage(),
                 "dspark": self.stats.as_dict()}
@@ -468,7 +476,7 @@ class Reply:
 
     def end_piece(self) -> dict:
         end = self._delta({}) if self.kind == "chat" else self._piece({"text": ""})
-        end["choices"][0]["finish_reason"] = self.finish_reason
+        end["choices"][0].update(self.ends())
         end["choices"][0]["logprobs"] = self.logprobs
         return {**end, "dspark": self.stats.as_dict()}
 

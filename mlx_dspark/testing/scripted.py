@@ -1,8 +1,10 @@
 """A stand-in target that writes a chosen reply, for tests of what is read out of replies
 (thinking, tool calls) through the real loop, API and server.
 
-Each prefill (a step of more than one token: a prompt) asks ``choose(prompt_ids)`` for the
-reply's token ids; after it, the target's greedy choice at each position is the reply's next
+Each prefill piece (a step of more than one token, or one the loop's prefill takes with
+``last_only``: a prompt's last piece may be its last token alone, unless that token is the one
+the reply wrote there, as a thinking budget's next stretch feeds) asks ``choose(prompt_ids)``
+for the reply's token ids; after it, the target's greedy choice at each position is the reply's next
 token, then ``end`` (an eos id) for ever. It implements what the serial loop calls on a target
 (``make_cache``, ``step``, ``config.vocab_size``, ``context_limit``); there is no drafter for
 it, so sessions on it decode serially."""
@@ -67,8 +69,10 @@ class ScriptedTarget:
 
     def step(self, tokens: mx.array, cache: ScriptedCache, tap_layers=None, last_only=False):
         new = tokens.reshape(-1).tolist()
+        written = len(new) == 1 and new[0] == self._next(cache, len(cache.tokens)) \
+            and cache.start <= len(cache.tokens) < cache.start + len(cache.reply)
         cache.tokens += new
-        if len(new) > 1:
+        if len(new) > 1 or (last_only and not written):
             cache.start, cache.reply = len(cache.tokens), tuple(self.choose(list(cache.tokens)))
         rows = range(len(cache.tokens) - (1 if last_only else len(new)), len(cache.tokens))
         ids = [self._next(cache, p + 1) for p in rows]
