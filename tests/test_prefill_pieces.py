@@ -13,6 +13,7 @@ import pytest
 from mlx_dspark import api
 from mlx_dspark.decode import pieces
 from mlx_dspark.decode.loop import prefill
+from mlx_dspark.decode.session import Session
 
 VOCAB_FLOOR = 5          # ids below are the demo tokenizer's specials
 
@@ -20,6 +21,12 @@ VOCAB_FLOOR = 5          # ids below are the demo tokenizer's specials
 @pytest.fixture(scope="module")
 def pair():
     return api.load()
+
+
+def plain(pair) -> Session:
+    """A session that cuts its prefill only where these tests say (pair.session() also stops
+    before each prompt's last token to keep that state: tests/test_session_reuse.py)."""
+    return Session(pair.target, pair.drafter)
 
 
 def prompt_of(pair, n: int, seed: int = 0) -> list[int]:
@@ -63,7 +70,7 @@ def assert_same_state(pair, session, logits, ref):
 def test_pieces_compute_what_one_step_computes_to_the_bit(pair, n):
     prompt = prompt_of(pair, n)
     seen = []
-    session = pair.session()
+    session = plain(pair)
     logits = prefill(session, prompt, tap=True, progress=lambda *a: seen.append(a))
     assert [a[:2] for a in seen] == [(0, n)] + [(e, n) for e in pieces.ends(0, [n], pair.target)]
     assert len(seen) >= n // pieces.PIECE + 1       # reported after each piece, not at the end
@@ -73,7 +80,7 @@ def test_pieces_compute_what_one_step_computes_to_the_bit(pair, n):
 
 def test_checkpoints_land_where_they_did_and_the_stretches_compute_as_before(pair):
     prompt, cuts = prompt_of(pair, 1500, seed=1), (300, 1000)
-    session, taken = pair.session(), []
+    session, taken = plain(pair), []
     session.checkpoints, session.on_checkpoint = cuts, lambda s: taken.append(len(s.tokens))
     logits = prefill(session, prompt, tap=True)
     assert taken == list(cuts)
@@ -91,7 +98,7 @@ def test_a_callback_that_raises_stops_between_two_pieces_and_the_rest_continues_
         if done >= 2 * pieces.PIECE:
             raise Stop
 
-    session = pair.session()
+    session = plain(pair)
     with pytest.raises(Stop):
         prefill(session, prompt, tap=True, progress=stop_after_two)
     assert len(session.tokens) == 2 * pieces.PIECE       # whole pieces, nothing half-fed
@@ -120,7 +127,7 @@ def test_smaller_pieces_later_in_a_long_prompt_compute_what_one_step_computes(pa
     prompt = prompt_of(pair, 2600, seed=4)
     ends = pieces.ends(0, [len(prompt)], pair.target, sizes)
     assert ends[:4] == [512, 1024, 1280, 1536] and ends[-3:] == [2432, 2560, 2600]
-    session, start = pair.session(), 0
+    session, start = plain(pair), 0
     for end in ends:            # prefill's own loop, with this schedule
         logits, taps = pair.target.step(mx.array([prompt[start:end]]), session.cache,
                                         tap_layers=session.tap_layers, last_only=True)
