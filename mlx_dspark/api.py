@@ -19,7 +19,7 @@ from typing import Iterator
 
 from .checkpoint.integrity import check_level
 from .decode.session import Session
-from .request import Request, RequestError, Thinking, speculative_mode, split_stops
+from .request import AUTO_DRAFT, Request, RequestError, Thinking, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
@@ -243,22 +243,28 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     return pair
 
 
-def warm_up(pair: Pair, num_draft: int = 3):
+def warm_up(pair: Pair, num_draft: int | str = 3):
     """Run every kernel a generation runs once, on a throwaway session: serial steps, and
-    rounds of ``num_draft`` drafts (at most the drafter's). MLX compiles a kernel on its
+    rounds of ``num_draft`` drafts (at most the drafter's; "auto": every length, measuring
+    the cost curve the length is chosen on, decode/length.py). MLX compiles a kernel on its
     first use (on the CPU backend, into a disk cache: about 50 s on a fresh 2-core machine,
     once); done here, that cost never lands in a generation's timings or in the
     break-even controller's estimates. Forced modes: the pair's learned controller is not
     touched."""
+    from .decode import length
     from .decode.loop import decode
 
     prompt = [0, 1]
     modes = ["off"] if pair.drafter is None else ["off", "on"]
+    longest = 1
     if pair.drafter is not None:
-        num_draft = min(num_draft, pair.drafter.max_draft)
+        longest = length.longest(pair.drafter) if num_draft == AUTO_DRAFT \
+            else min(num_draft, pair.drafter.max_draft)
+        num_draft = num_draft if num_draft == AUTO_DRAFT else longest
     for mode in modes:
         session = Session(pair.target, pair.drafter if mode == "on" else None)
-        for _ in decode(session, Request(prompt, max_tokens=num_draft + 3, num_draft=num_draft,
+        for _ in decode(session, Request(prompt, max_tokens=longest + 3,
+                                         num_draft=num_draft if mode == "on" else 1,
                                          speculative=mode)):
             pass
 
@@ -324,7 +330,7 @@ def check_sources(model, drafter=None) -> None:
 
 def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 num_draft: int = 3, speculative="auto", stop=None, chat: bool = False,
+                 num_draft: int | str = 3, speculative="auto", stop=None, chat: bool = False,
                  chat_template_kwargs: dict | None = None, sampling: str | None = None,
                  thinking_token_budget: int | None = None, response_format: dict | None = None,
                  grammar=None, logprobs: int | None = None,

@@ -21,6 +21,7 @@ DEFAULT_SCHEME = "rejection"
 SEEDED_SCHEME = "reproducible"
 SEEDS = 1 << 64
 MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
+AUTO_DRAFT = "auto"    # num_draft: each round's length chosen by the controller (decode/length.py)
 MAX_LOGPROBS = 20      # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 
 # The API keyword -> the CLI flag that sets it (commands print refusals with the flag).
@@ -124,8 +125,9 @@ class Request:
     and top_k 0 are "off", temperature 0 is greedy).
 
     ``speculative``: "auto" (the break-even controller), "on" (always), "off" (never; the
-    drafter is not asked). ``sampling``: "rejection" or "reproducible" (docs/sampling.md); None
-    (the default) is "reproducible" when a seed is given, so that a seed means the same text in
+    drafter is not asked). ``num_draft``: drafts per round, or "auto": each round's length
+    chosen for the most expected tokens per unit of time (decode/length.py). ``sampling``:
+    "rejection" or "reproducible" (docs/sampling.md); None (the default) is "reproducible" when a seed is given, so that a seed means the same text in
     every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a random one
     (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
@@ -157,7 +159,7 @@ class Request:
     top_p: float = 1.0
     top_k: int = 0
     sampling: str | None = None
-    num_draft: int = 3
+    num_draft: int | str = 3
     speculative: str = "auto"
     seed: int | None = None
     stop_tokens: frozenset = field(default_factory=frozenset)
@@ -208,9 +210,10 @@ class Request:
         check_penalties(self.repetition_penalty, self.repetition_context_size,
                         self.presence_penalty, self.frequency_penalty)
         self._check_callables()
-        if not _integer(self.num_draft) or not 1 <= self.num_draft <= MAX_DRAFT:
-            raise RequestError("num_draft", f"num_draft must be an integer in [1, {MAX_DRAFT}], "
-                                            f"not {self.num_draft!r}")
+        if self.num_draft != AUTO_DRAFT and (not _integer(self.num_draft)
+                                             or not 1 <= self.num_draft <= MAX_DRAFT):
+            raise RequestError("num_draft", f"num_draft must be an integer in [1, {MAX_DRAFT}] "
+                                            f"or {AUTO_DRAFT!r}, not {self.num_draft!r}")
         if self.seed is not None and not _integer(self.seed):
             raise RequestError("seed", f"seed must be an integer or None, not {self.seed!r}")
         if not all(_integer(t) and t >= 0 for t in self.stop_tokens):

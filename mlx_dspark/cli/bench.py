@@ -18,6 +18,7 @@ import sys
 import time
 
 from .. import api
+from ..request import AUTO_DRAFT
 from ..stats import format_positions
 from .common import CommandError, flag_error, load_pair
 from .measure import SPREAD, ranged
@@ -55,12 +56,11 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise CommandError("--plot needs matplotlib, which is not installed "
                                "(pip install matplotlib)") from None
-    names = args.drafter or [None]
-    if len(set(names)) != len(names):
-        twice = dict.fromkeys(n for n in names if names.count(n) > 1)
-        raise CommandError(f"--drafter: {', '.join(twice)} given twice")
+    names = _drafter_names(args)
     num_drafts = list(dict.fromkeys(args.num_draft))
-    args.drafter, args.num_draft = names[0], max(num_drafts)   # what load_pair warms up
+    # what load_pair warms up: every length "auto" may choose (measuring its cost curve)
+    args.drafter = names[0]
+    args.num_draft = AUTO_DRAFT if AUTO_DRAFT in num_drafts else max(num_drafts)
     pair = load_pair(args)
     if pair.drafter is None:
         raise CommandError("bench compares serial with speculative decoding: pass --drafter DIR")
@@ -69,15 +69,19 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             raise CommandError("--plot draws one drafter at one --num-draft; drop it to "
                                "compare several")
-        drafters = {_label(names[0], args): pair.drafter}
+        drafters, skipped = {_label(names[0], args): pair.drafter}, {}
         for name in names[1:]:
             try:
                 drafters[_label(name, args)] = api.load_another_drafter(
                     pair, name, demo=args.model is None, verify=args.verify)
             except (OSError, ValueError) as e:
-                raise CommandError(" ".join(str(e).split())) from None
+                if args.drafters != "all":
+                    raise CommandError(" ".join(str(e).split())) from None
+                skipped[name] = " ".join(str(e).split())     # a kind this pair cannot run
+                _progress(f"--drafters all: {name} skipped: {skipped[name]}")
         try:
             report = compare(pair, drafters, num_drafts, prompts, args)
+            report["skipped"] = skipped
         except ValueError as e:
             raise flag_error(e) from None
         report["model"] = args.model or "embedded demo target"
@@ -98,6 +102,26 @@ def run(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         print(f"bench: wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _drafter_names(args) -> list:
+    """The drafters to compare: ``--drafter`` (repeated), or ``--drafters all`` (every kind
+    the registry holds, drafters/__init__.py KINDS: the pair's default drafter first, the
+    kinds this pair cannot run skipped and listed) or ``--drafters A,B``."""
+    from ..drafters import DEFAULT_DEMO, NAMES
+
+    if args.drafters and args.drafter:
+        raise CommandError("--drafters and --drafter name the drafters twice: give one")
+    if args.drafters == "all":
+        names = [None] + [n for n in NAMES if n != DEFAULT_DEMO or args.model is not None]
+    elif args.drafters:
+        names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    else:
+        names = args.drafter or [None]
+    if len(set(names)) != len(names):
+        twice = dict.fromkeys(n for n in names if names.count(n) > 1)
+        raise CommandError(f"--drafter: {', '.join(twice)} given twice")
+    return names
 
 
 def _domains(spec: str | None) -> list[str]:
@@ -135,13 +159,14 @@ def measure(pair, prompts, args) -> dict:
                               home=pair if mode == "auto" else None)
 
     encoded = [_ids(pair, d, t) for d, t in prompts]
+    positions = _positions(pair.drafter, args.num_draft)
     _progress("warming up")
     for mode in measure.MODES:
         once(encoded[0], mode, min(args.max_tokens, 16))
 
     def progress(rep, i, per_mode):
         domain, text = prompts[i]
-        r = measure.summarize({m: [[per_mode[m][i]]] for m in measure.MODES}, args.num_draft)
+        r = measure.summarize({m: [[per_mode[m][i]]] for m in measure.MODES}, positions)
         t = r["tokens_per_s"]
         _progress(f"[{rep * len(prompts) + i + 1}/{args.repeats * len(prompts)}] "
                   f"{domain:5} {_short(text):32} serial {t['serial']:6.1f} tok/s, "
@@ -158,7 +183,7 @@ def measure(pair, prompts, args) -> dict:
         sub = {m: [[rep[i] for i in which] for rep in runs[m]] for m in measure.MODES}
         same = sum(len({tuple(outputs[i][m]) for m in measure.MODES}) == 1 for i in which)
         return {"prompts": len(which), "same_tokens": same,
-                **measure.summarize(sub, args.num_draft)}
+                **measure.summarize(sub, positions)}
 
     rows = [{"domain": d, "prompt": t, "prompt_tokens": len(p), **summary([i])}
             for i, ((d, t), p) in enumerate(zip(prompts, encoded))]
@@ -197,38 +222,23 @@ def _label(name, args) -> str:
         os.path.basename(os.path.normpath(str(name)))
 
 
+def _positions(drafter, num_draft) -> int:
+    """Draft positions a run at ``num_draft`` can test ("auto": the longest it may choose)."""
+    from ..decode import length
+    return length.longest(drafter) if num_draft == AUTO_DRAFT else num_draft
+
+
 def probe_ms(target, drafter, prompt: list[int], n: int, repeats: int = 5) -> tuple:
     """Median wall times (ms) of one evaluated ``propose(n)`` and of one verify of ``n + 1``
     tokens, after ``prompt``, each alone. In a round the drafts are computed in one lazy graph
     with the verify, so the round's clock cannot split the two."""
     import statistics
 
-    import mlx.core as mx
+    from ..decode import length
 
-    from ..decode.loop import prefill
-    from ..decode.session import Session
-
-    session = Session(target, drafter)
-    bonus = int(mx.argmax(prefill(session, prompt, tap=True)).item())
-    session.flush()
-    mx.eval(session.draft_cache.arrays())
-    state = session.cache.snapshot()
-    draft, verify = [], []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        tokens, _ = drafter.propose(bonus, n, cache=session.draft_cache)   # leaves the cache
-        mx.eval(tokens)
-        t1 = time.perf_counter()
-        block = mx.concatenate([mx.array([bonus], dtype=mx.int32), tokens])[None]
-        mx.eval(block)
-        t2 = time.perf_counter()
-        mx.eval(target.verify(block, session.cache, tap_layers=session.tap_layers))
-        t3 = time.perf_counter()
-        target.commit(session.cache, n + 1)
-        session.cache.restore(state)
-        draft.append(t1 - t0)
-        verify.append(t3 - t2)
-    return 1e3 * statistics.median(draft[1:]), 1e3 * statistics.median(verify[1:])
+    session, bonus = length.scratch(target, drafter, prompt)
+    times = [length.time_round(session, bonus, n) for _ in range(repeats + 1)]
+    return tuple(1e3 * statistics.median(t[k] for t in times[1:]) for k in (0, 1))
 
 
 def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
@@ -250,7 +260,8 @@ def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
         if mode != "serial":
             key, spec = mode.rsplit(":", 1)
             label, n = key.rsplit("@", 1)
-            drafter, n, spec = drafters[label], int(n), measure.MODES[spec]
+            n = n if n == AUTO_DRAFT else int(n)
+            drafter, spec = drafters[label], measure.MODES[spec]
             home = homes[(label, n)] if spec == "auto" else None
         request = Request(encoded[i], max_tokens=max_tokens, temperature=args.temp,
                           top_p=args.top_p, sampling=args.sampling, num_draft=n,
@@ -270,7 +281,9 @@ def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
     runs, outputs = measure.measure(lambda i, m, seed: once(i, m, args.max_tokens, seed),
                                   len(prompts), args.repeats, progress=progress, modes=modes)
     _progress("timing each drafter's proposals and their verify alone")
-    probes = {(label, n): probe_ms(pair.target, drafters[label], encoded[0], n)
+    # "auto": at the length its rounds drafted on average
+    probes = {(label, n): probe_ms(pair.target, drafters[label], encoded[0],
+                                   _mean_length(runs[f"{label}@{n}:speculative"], n))
               for label, n in keys}
     results = []
     groups = [(d, [i for i, (dd, _) in enumerate(prompts) if dd == d])
@@ -283,13 +296,16 @@ def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
                                   ("auto", f"{key}:auto"))}
             same = sum(outputs[i]["serial"] == outputs[i][f"{key}:speculative"]
                        == outputs[i][f"{key}:auto"] for i in which)
-            r = measure.summarize(sub, n)
+            r = measure.summarize(sub, _positions(drafters[label], n))
             # c and the verify cost from the probes (a round computes both in one graph)
             draft, verify = probes[(label, n)]
             r["draft_cost"] = draft / r["serial_step_ms"]
             r["verify_cost"] = verify / r["serial_step_ms"]
+            spec = [s for rep in sub["speculative"] for s in rep]
             results.append({"domain": domain, "drafter": label, "num_draft": n,
                             "prompts": len(which), "same_tokens": same,
+                            "drafts_per_round": sum(s.drafted for s in spec)
+                            / max(1, sum(s.rounds for s in spec)),
                             "draft_ms": draft, "verify_ms": verify, **r})
     return {
         "machine": machine(),
@@ -297,6 +313,14 @@ def compare(pair, drafters: dict, num_drafts: list[int], prompts, args) -> dict:
         "drafters": {label: getattr(d, "gate_report", None) for label, d in drafters.items()},
         "results": results,
     }
+
+
+def _mean_length(runs, num_draft) -> int:
+    """``num_draft``, or for "auto" the drafts per round its runs took, rounded."""
+    if num_draft != AUTO_DRAFT:
+        return num_draft
+    stats = [s for rep in runs for s in rep]
+    return max(1, round(sum(s.drafted for s in stats) / max(1, sum(s.rounds for s in stats))))
 
 
 def weight_bytes_per_token(target) -> int:
@@ -449,24 +473,31 @@ def compare_table(report: dict) -> str:
     lines = _title(report, f"with {', '.join(report['drafters'])}") + [
         "tau: tokens per round; c: a proposal, verify: a verify of N+1 tokens, each timed "
         "alone, in serial steps; predicted: the cost model's speedup from the rounds' "
-        "measured parts",
+        "measured parts; N a2.4: num_draft auto, 2.4 drafts per round on average (c and "
+        "verify timed at that length, rounded)",
+        *[f"skipped {name}: {why}" for name, why in report.get("skipped", {}).items()],
         "",
-        f"{'domain':7}{'drafter':>10}{'N':>3}{'serial':>9}{'spec.':>9}{'tau':>6}{'c':>6}"
+        f"{'domain':7}{'drafter':>10}{'N':>5}{'serial':>9}{'spec.':>9}{'tau':>6}{'c':>6}"
         f"{'verify':>7}{'predicted':>10}{'measured':>19}{'spec. vs':>14}{'auto':>9}{'auto':>19}"
         f"{'same':>6}",
-        f"{'':7}{'':>10}{'':>3}{'tok/s':>9}{'tok/s':>9}{'':>6}{'':>6}{'':>7}{'':>10}{'':>19}"
+        f"{'':7}{'':>10}{'':>5}{'tok/s':>9}{'tok/s':>9}{'':>6}{'':>6}{'':>7}{'':>10}{'':>19}"
         f"{'serial':>14}{'tok/s':>9}{'x':>19}{'':>6}",
     ]
     for r in report["results"]:
         t, sp = r["tokens_per_s"], r["spread"]
         lines.append(
-            f"{r['domain']:7}{r['drafter'][-10:]:>10}{r['num_draft']:>3}{t['serial']:>9.1f}"
+            f"{r['domain']:7}{r['drafter'][-10:]:>10}{_n(r):>5}{t['serial']:>9.1f}"
             f"{t['speculative']:>9.1f}{r['mean_tokens_per_round']:>6.2f}{r['draft_cost']:>6.2f}"
             f"{r['verify_cost']:>7.2f}{ranged(r['predicted_speedup'], None):>10}"
             f"{ranged(r['speedup'], sp['speedup']):>19}{r['verdict']['speculative']:>14}"
             f"{t['auto']:>9.1f}{ranged(r['auto_vs_serial'], sp['auto_vs_serial']):>19}"
             f"{str(r['same_tokens']) + '/' + str(r['prompts']):>6}")
     return "\n".join(lines)
+
+
+def _n(row: dict) -> str:
+    auto = row["num_draft"] == AUTO_DRAFT
+    return f"a{row['drafts_per_round']:.1f}" if auto else str(row["num_draft"])
 
 
 def _machine_line(m: dict) -> str:

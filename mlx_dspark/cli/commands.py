@@ -14,9 +14,10 @@ import sys
 
 from ..stats import format_stats
 
-from ..request import MODES, RequestError, check_sampling
+from ..request import AUTO_DRAFT, MODES, RequestError, check_sampling
 from .common import (CatchInterrupt, CommandError, PrefillMeter, _at_least, _positive,
-                     add_model_arguments, add_sampling_arguments, add_scheme_argument,
+                     add_model_arguments, add_num_draft_argument, add_sampling_arguments,
+                     add_scheme_argument,
                      add_stats_argument, add_system_prompt_argument, add_template_arguments,
                      flag_error, load_pair, request_options, require_chat_template, utf8_text)
 
@@ -220,9 +221,11 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--max-tokens", type=_at_least(4), default=64, metavar="N",
                    help="tokens generated per prompt and mode, at least 4 so that both modes "
                         "have steps to time (default 64)")
-    p.add_argument("--num-draft", type=_positive, nargs="+", default=[3], metavar="N",
-                   help="tokens the drafter proposes per round (default 3); several values "
-                        "sweep them in one run")
+    add_num_draft_argument(p, sweep=True)
+    p.add_argument("--drafters", metavar="all|A,B",
+                   help="the drafters to compare (instead of --drafter): all: every kind "
+                        "this runtime registers that the pair can run, or a comma-separated "
+                        "list of names or directories")
     p.add_argument("--temp", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
@@ -272,8 +275,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for state snapshots a request can continue from (a chat's "
                         "earlier turns); 0 turns prefix reuse off (default 1024)")
     add_prompt_cache_arguments(p)
-    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
-                   help="tokens the drafter proposes per round (default 3)")
+    add_num_draft_argument(p)
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
     defaults = p.add_argument_group(
@@ -471,6 +473,7 @@ def _check_serve_flags(pair, args: argparse.Namespace):
     """What the server's every request would be refused for, refused once at start."""
     if args.speculative == "on" and pair.drafter is None:
         raise CommandError("--speculative on needs a drafter (--drafter DIR)")
-    if pair.drafter is not None and args.num_draft > pair.drafter.max_draft:
+    if pair.drafter is not None and args.num_draft != AUTO_DRAFT \
+            and args.num_draft > pair.drafter.max_draft:
         raise CommandError(f"--num-draft {args.num_draft}: this drafter proposes at most "
                            f"{pair.drafter.max_draft} tokens per round")

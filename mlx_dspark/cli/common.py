@@ -11,7 +11,7 @@ import signal
 import sys
 
 from ..checkpoint.integrity import VERIFY_LEVELS
-from ..request import DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError, \
+from ..request import AUTO_DRAFT, DEFAULT_SCHEME, FLAGS, MODES, SCHEMES, SEEDS, RequestError, \
     check_penalties, check_sampling
 from ..stats import format_progress
 
@@ -129,8 +129,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
                         "mode (unless --sampling rejection: then in the same mode)")
     add_scheme_argument(p)
     add_penalty_arguments(p)
-    p.add_argument("--num-draft", type=_positive, default=3, metavar="N",
-                   help="tokens the drafter proposes per round (default 3)")
+    add_num_draft_argument(p)
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: speculate only while it pays (default); on: always; off: never")
     p.add_argument("--reasoning", choices=("on", "off"),
@@ -229,6 +228,22 @@ def _at_least(low: int, high: int | None = None):
 
 
 _positive = _at_least(1)
+
+
+def num_draft(s: str) -> int | str:
+    """An argparse type: a draft length >= 1, or "auto" (chosen each round)."""
+    return AUTO_DRAFT if s == AUTO_DRAFT else _positive(s)
+
+
+num_draft.__name__ = "draft length"
+
+
+def add_num_draft_argument(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    p.add_argument("--num-draft", type=num_draft, nargs="+" if sweep else None,
+                   default=[3] if sweep else 3, metavar="N|auto",
+                   help="tokens the drafter proposes per round (default 3); auto: each "
+                        "round's length chosen for the most tokens per unit of time"
+                        + ("; several values sweep them in one run" if sweep else ""))
 
 
 def _seed(s: str) -> int | None:

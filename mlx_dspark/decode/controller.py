@@ -37,9 +37,10 @@ Policy (constants below, chosen by measurement, see docs/design.md §8):
 
 Acceptance estimates are decayed counts: when position i is *tested* (all earlier drafts
 accepted) ``tested_i += 1`` and ``accepted_i += [accepted]``, and all counts are multiplied by
-``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + 1/4) /
-(tested_i + 1/2)``: a prior worth half a test, so positions never tested count as 1/2, one
-success already says 0.83, and a useless drafter's estimate sinks to ~0.01. Ageing by tokens
+``DECAY`` per generated token, serial or speculative. ``alpha_i = (accepted_i + m_i / 2) /
+(tested_i + 1/2)``: a prior worth half a test whose mean ``m_i`` is ``alpha_{i-1}`` (1/2 for
+the first position), so a position never tested counts as the one before it, one success at
+the first already says 0.83, and a useless drafter's estimate sinks to ~0.01. Ageing by tokens
 (not by tests) matters: after a long serial stretch the old evidence has faded, so a single
 probe decides on what the content is *now*, which is what lets a change of content switch
 speculation back on.
@@ -53,15 +54,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .length import COST_WINDOW, Curve, best_length, expected_tokens, median
+
 ON = 1.05         # switch speculation on above this predicted speedup
 OFF = 1.0         # switch it off below this one
 DECAY = 0.95      # acceptance memory per generated token: ~20 tokens
-COST_WINDOW = 9   # costs = medians of this many recent measurements
 PROBE_MIN = 16    # serial steps before the first probe
 PROBE_MAX = 256   # longest gap between probes
 PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
 REMEASURE_BUDGET = 0.01  # the same when no content could pay: probes only re-measure costs
 REFRESH = 8       # speculative rounds between serial cost refreshes
+PRIOR = 0.5       # acceptance prior, in tests: one success already says 0.83
 MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
 
@@ -70,10 +73,13 @@ class Controller:
     """Decides, before each decode step, whether it is a serial step or a speculative round.
 
     ``mode`` is the request's (``request.MODES``): "auto" decides, "on"/"off" always/never
-    speculate (estimates are still kept, so stats can report them)."""
+    speculate (estimates are still kept, so stats can report them). ``curve``: the round cost
+    at each draft length (length.py), when each round's length is chosen (``num_draft=
+    "auto"``); ``num_draft`` is then the longest, else the length of every round."""
 
     num_draft: int
     mode: str = "auto"
+    curve: Curve | None = None
     speculating: bool = True
     switches: int = 0
     probe_every: int = PROBE_MIN
@@ -92,36 +98,47 @@ class Controller:
     # -- estimates ---------------------------------------------------------------------------
 
     def alpha(self) -> list[float]:
-        return [(a + 0.25) / (t + 0.5) for a, t in zip(self.accepted, self.tested)]
+        """Each position's acceptance: its counts with a prior worth ``PRIOR`` tests, whose
+        mean is the position before it (1/2 for the first): a position never tested (beyond
+        the lengths "auto" chose lately) is taken to be like the last one that was."""
+        out, prior = [], 0.5
+        for a, t in zip(self.accepted, self.tested):
+            prior = (a + PRIOR * prior) / (t + PRIOR)
+            out.append(prior)
+        return out
+
+    def length(self) -> int:
+        """The next round's draft length: the most expected tokens per unit of cost."""
+        if self.curve is None:
+            return self.num_draft
+        return best_length(self.alpha(), self.curve.cost)[0]
 
     def expected_tokens(self) -> float:
-        """Expected tokens emitted by one round, the bonus included."""
-        e, run = 1.0, 1.0
-        for a in self.alpha():
-            run *= a
-            e += run
-        return e
+        """Expected tokens emitted by the next round, the bonus included."""
+        return expected_tokens(self.alpha(), self.length())
 
     @property
     def t_serial(self) -> float | None:
-        return _median(self.serial_times)
+        return median(self.serial_times)
 
     @property
     def round_cost(self) -> float | None:
-        """A round's cost in serial steps."""
-        return _median(self.round_ratios)
+        """The next round's cost in serial steps."""
+        if self.curve is not None:
+            return self.curve.cost(self.length())
+        return median(self.round_ratios)
 
     @property
     def catchup_cost(self) -> float:
         """The drafter's catch-up per token, in serial steps (0 until measured)."""
-        return _median(self.catchup_ratios) or 0.0
+        return median(self.catchup_ratios) or 0.0
 
     @property
     def catchup_per_probe(self) -> float:
         """A whole catch-up before a probe, in serial steps (0 until measured). A windowed
         drafter computes at most a window's worth, so after a long stretch this, not the
         per-token share, is what a probe adds."""
-        return _median(self.catchup_totals) or 0.0
+        return median(self.catchup_totals) or 0.0
 
     def predicted_speedup(self) -> float | None:
         if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
@@ -163,14 +180,18 @@ class Controller:
         """A round drafted num_drafted tokens, tested drafts 1..num_tested (all up to the
         first rejection) and accepted the first num_accepted of them.
 
-        Rounds with fewer drafts than ``num_draft`` (the last round before max_tokens) count
-        for acceptance but not for cost."""
+        At a fixed length, rounds with fewer drafts than ``num_draft`` (the last round before
+        max_tokens) count for acceptance but not for cost; with a ``curve`` each round prices
+        its own length."""
         self._age(num_accepted + 1)
         for i in range(num_tested):
             self.tested[i] += 1.0
             self.accepted[i] += 1.0 if i < num_accepted else 0.0
-        if num_drafted == self.num_draft and self.t_serial is not None:
-            _push(self.round_ratios, seconds / self.t_serial)
+        if self.t_serial is not None:
+            if self.curve is not None:       # a round of any length prices that length
+                self.curve.observe(num_drafted, seconds / self.t_serial)
+            if num_drafted == self.num_draft or self.curve is not None:
+                _push(self.round_ratios, seconds / self.t_serial)
         if self.mode != "auto":
             return
         if self.speculating:
@@ -197,6 +218,8 @@ class Controller:
 
     def ceiling(self) -> float | None:
         """The speedup of a round whose every draft is accepted: no content can beat it."""
+        if self.curve is not None:
+            return best_length([1.0] * self.curve.longest, self.curve.cost)[1]
         return None if self.round_cost is None else (self.num_draft + 1) / self.round_cost
 
     def _affordable(self, steps: int) -> int:
@@ -234,5 +257,3 @@ def _push(times: list, seconds: float):
     del times[:-COST_WINDOW]
 
 
-def _median(times: list) -> float | None:
-    return sorted(times)[len(times) // 2] if times else None

@@ -9,11 +9,12 @@
       commit   target keeps bonus, d1..da (exact rollback); their taps go to the drafter
 
 A serial step is the same machinery with no drafts. The break-even controller decides, before
-each step, which of the two to run. Every row of logits, the drafter's and the target's, goes
-through the call's logits processors with the tokens before it (processors.py: penalties), then
-is masked by the call's constraint (constraint.py: a grammar, or the null form) before warping:
-each draft is drawn under the mask of the tokens before it, the verify pass's row i takes the
-mask after d1..di, and the constraint rolls back the drafts the target rejected.
+each step, which of the two to run, and N (``num_draft="auto"``: length.py). Every row of
+logits, the drafter's and the target's, goes through the call's logits processors with the
+tokens before it (processors.py: penalties), then is masked by the call's constraint
+(constraint.py: a grammar, or the null form) before warping: each draft is drawn under the mask
+of the tokens before it, the verify pass's row i takes the mask after d1..di, and the
+constraint rolls back the drafts the target rejected.
 ``decode(session, request)`` yields tokens one at a time; the session holds every cache, the
 request every option. Stop tokens and ``max_tokens`` are applied here so that the target and
 drafter state after a stop is the same as after serial decoding (the stop token is emitted,
@@ -197,7 +198,7 @@ def _decode(call: Call, request: Request, stats: Stats) -> Iterator[int]:
     try:
         while (room := (yield from _emit(run, out))) is not None:
             if call.session.ahead is None and _speculate(run, room):
-                out = _round(run, out[-1], min(request.num_draft, room - 1))
+                out = _round(run, out[-1], min(run.control.length(), room - 1))
             else:
                 out = [_serial(run, out[-1], room)]
             run.note_mode()
@@ -252,8 +253,7 @@ def _emit(run: Run, out: list[int]):
 
 def _speculate(run: Run, room: int) -> bool:
     """Whether the next step (with ``room`` tokens left to generate) is a speculative round."""
-    return run.use_drafter and min(run.request.num_draft, room - 1) >= 1 \
-        and run.control.speculate_next()
+    return run.use_drafter and room >= 2 and run.control.speculate_next()
 
 
 def _serial(run: Run, token: int, room: int) -> int:

@@ -10,8 +10,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..request import NonFiniteLogits, Request, RequestError
+from ..request import AUTO_DRAFT, NonFiniteLogits, Request, RequestError
 from ..stats import Stats
+from . import length
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
 from .processors import Processors
@@ -39,7 +40,7 @@ def check(session: Session, request: Request):
         raise RequestError("speculative", "speculative 'on' needs a drafter, and this "
                                           "session has none")
     if request.speculative != "off" and session.drafter is not None \
-            and request.num_draft > session.drafter.max_draft:
+            and request.num_draft != AUTO_DRAFT and request.num_draft > session.drafter.max_draft:
         raise RequestError("num_draft", f"num_draft {request.num_draft}: this drafter proposes "
                                         f"at most {session.drafter.max_draft} tokens per round")
 
@@ -62,12 +63,23 @@ def finite(token: int, session: Session) -> int:
 
 def controller(session: Session, request: Request) -> Controller:
     """The controller of this call: the session's learned one under "auto"; a forced call
-    keeps its estimates to itself, so what "auto" learned stays."""
+    keeps its estimates to itself, so what "auto" learned stays. With ``num_draft="auto"``
+    (and a drafter that is asked) it chooses each round's length on the pair's cost curve."""
+    def fresh(mode="auto"):
+        if request.num_draft != AUTO_DRAFT:
+            return Controller(request.num_draft, mode=mode)
+        if session.drafter is None or mode == "off":
+            return Controller(1, mode=mode)
+        curve = length.measured_curve(session.target, session.drafter)
+        return Controller(curve.longest, mode=mode, curve=curve)
+
     if request.speculative != "auto":
-        return Controller(request.num_draft, mode=request.speculative)
+        return fresh(request.speculative)
     control = session.controller
-    if control is None or control.num_draft != request.num_draft:
-        control = session.controller = Controller(request.num_draft)
+    auto = request.num_draft == AUTO_DRAFT
+    if control is None or (control.curve is not None) != auto \
+            or not auto and control.num_draft != request.num_draft:
+        control = session.controller = fresh()
     return control
 
 
@@ -137,11 +149,11 @@ class Run:
     def start(cls, call: Call, request: Request, stats: Stats) -> "Run":
         sampler = Sampler.of(request)
         stats.requested = request.speculative
-        stats.tested_by_position = [0] * request.num_draft
-        stats.accepted_by_position = [0] * request.num_draft
+        control = controller(call.session, request)
+        stats.tested_by_position = [0] * control.num_draft
+        stats.accepted_by_position = [0] * control.num_draft
         stats.prompt_tokens = len(request.prompt)
         tap = call.session.drafter is not None
-        control = controller(call.session, request)
         noise = Noise(sampler, request.seed)
         if sampler.custom is not None:
             stats.sampling = "sampler"          # the user's: it draws with its own state

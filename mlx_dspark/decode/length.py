@@ -1,0 +1,153 @@
+"""The draft length chosen each round (``num_draft="auto"``, docs/design.md §8).
+
+A round of ``n`` drafts emits ``E(n) = 1 + sum_{j<=n} prod_{i<=j} alpha_i`` tokens on average
+(the controller's per-position acceptance estimates) and costs ``cost(n)`` serial steps. The
+round drafts the ``n`` that maximises ``E(n) / cost(n)``, the expected tokens per unit of time
+(:func:`best_length`); the shortest such ``n`` on a tie. Nothing about which drafts are kept
+changes, so the output is the same as at any fixed length: lossless by construction.
+
+Every drafter here drafts token by token or as a causal block (DSpark's block is causal,
+docs/design.md §6: its first ``n`` rows are exactly the block truncated), so drafting the
+whole block and verifying a prefix of it would give the same drafts as drafting the prefix
+alone, at more cost: the choice is how far to draft, made before drafting.
+
+``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
+the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, measured on
+a scratch session when the pair first runs "auto" (:func:`measured_curve`, kept on the
+drafter: a property of this target, drafter and machine), then refreshed by every round
+the loop runs (a median per length; lengths not run lately follow the measured ones by
+their ratio to the load-time curve, so a load swing or a longer context moves them too)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+LONGEST = 7       # most drafts "auto" considers (NVIDIA's DGX Spark recipe drafts 7)
+COST_WINDOW = 9   # costs = medians of this many recent measurements (spikes are one-sided)
+CALIBRATION_TOKENS = 32   # the scratch context the curve is measured after
+CALIBRATION_REPEATS = 3
+
+
+def expected_tokens(alpha, n: int) -> float:
+    """Tokens a round of ``n`` drafts emits on average, the bonus included."""
+    e, run = 1.0, 1.0
+    for a in alpha[:n]:
+        run *= a
+        e += run
+    return e
+
+
+def best_length(alpha, cost) -> tuple[int, float]:
+    """The draft length ``n`` in ``1..len(alpha)`` with the most expected tokens per serial
+    step, ``E(n) / cost(n)``, and that rate; the shortest one on a tie."""
+    best = (1, expected_tokens(alpha, 1) / cost(1))
+    for n in range(2, len(alpha) + 1):
+        rate = expected_tokens(alpha, n) / cost(n)
+        if rate > best[1]:
+            best = (n, rate)
+    return best
+
+
+@dataclass
+class Curve:
+    """A round's cost in serial steps at each draft length 1..len(loaded): ``loaded`` as
+    measured at load, ``seen`` the recent rounds' measured costs per length."""
+
+    loaded: list[float]
+    seen: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def longest(self) -> int:
+        return len(self.loaded)
+
+    def cost(self, n: int) -> float:
+        if self.seen.get(n):
+            return median(self.seen[n])
+        return self.loaded[n - 1] * self.drift()
+
+    def drift(self) -> float:
+        """How far the rounds run lately sit from the load-time curve (1: no round yet)."""
+        ratios = [median(v) / self.loaded[n - 1] for n, v in self.seen.items() if v]
+        return median(ratios) if ratios else 1.0
+
+    def observe(self, n: int, ratio: float):
+        seen = self.seen.setdefault(n, [])
+        seen.append(ratio)
+        del seen[:-COST_WINDOW]
+
+
+def longest(drafter) -> int:
+    return min(LONGEST, drafter.max_draft)
+
+
+def time_round(session, bonus: int, n: int) -> tuple[float, float]:
+    """Wall times (s) of one evaluated ``propose(n)`` after ``bonus`` and of the verify of
+    the ``n + 1`` tokens, on ``session``, whose caches are left as they were."""
+    target, drafter = session.target, session.drafter
+    state = session.cache.snapshot()
+    t0 = time.perf_counter()
+    tokens, _ = drafter.propose(bonus, n, cache=session.draft_cache)   # leaves the cache
+    mx.eval(tokens)
+    t1 = time.perf_counter()
+    block = mx.concatenate([mx.array([bonus], dtype=mx.int32), tokens])[None]
+    mx.eval(block)
+    t2 = time.perf_counter()
+    mx.eval(target.verify(block, session.cache, tap_layers=session.tap_layers))
+    t3 = time.perf_counter()
+    target.commit(session.cache, n + 1)
+    session.cache.restore(state)
+    return t1 - t0, t3 - t2
+
+
+def scratch(target, drafter, prompt: list[int]) -> tuple[Session, int]:
+    """A session of its own holding ``prompt`` (the drafter caught up), and the greedy
+    token after it."""
+    from .session import Session     # (session.py imports the controller, which imports this)
+
+    session = Session(target, drafter)
+    logits, taps = target.step(mx.array([prompt]), session.cache,
+                               tap_layers=session.tap_layers, last_only=True)
+    session.feed(list(prompt), taps)
+    session.flush()
+    bonus = int(mx.argmax(logits[0, -1]).item())
+    mx.eval(session.draft_cache.arrays())
+    return session, bonus
+
+
+def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> list[float]:
+    """A round's cost at each length ``1..longest(drafter)`` over one serial step: medians
+    of ``repeats`` (after one warm-up, which also compiles each length's kernels), the
+    lengths interleaved so that a load swing hits them all."""
+    vocab = target.config.vocab_size
+    session, bonus = scratch(target, drafter, [i % vocab for i in range(CALIBRATION_TOKENS)])
+    lengths = range(1, longest(drafter) + 1)
+    steps, rounds = [], {n: [] for n in lengths}
+    for _ in range(repeats + 1):
+        mark = session.cache.mark()
+        t0 = time.perf_counter()
+        mx.eval(target.step(mx.array([[bonus]]), session.cache)[0])
+        steps.append(time.perf_counter() - t0)
+        session.cache.rewind(mark)
+        for n in lengths:
+            rounds[n].append(sum(time_round(session, bonus, n)))
+    step = statistics.median(steps[1:])
+    return [statistics.median(rounds[n][1:]) / step for n in lengths]
+
+
+def measured_curve(target, drafter) -> Curve:
+    """A fresh :class:`Curve` from this pair's load-time measurement, taken on the first
+    call and kept on the drafter (it is the drafter's and its target's cost here)."""
+    loaded = getattr(drafter, "_auto_curve", None)
+    if loaded is None:
+        loaded = calibrate(target, drafter)
+        object.__setattr__(drafter, "_auto_curve", loaded)   # not a module parameter
+    return Curve(list(loaded))
+
+
+def median(values: list) -> float | None:
+    """The median (the upper one of an even count; None for none)."""
+    return sorted(values)[len(values) // 2] if values else None
