@@ -12,8 +12,15 @@ As vLLM's ``llama_eagle3`` defines it, for the row of position ``p`` (the target
 
 (``norm_before_residual``: the residual is ``hidden_norm(g_p)`` instead of ``g_p``.) Drafting
 more tokens reuses the layer with ``out`` (before ``norm``) as the next row's ``g``, at the next
-position, as vLLM does. ``eagle_aux_hidden_state_layer_ids`` count layers done (vLLM's
-convention): the tap of layer ``i - 1``. The embedding is the target's unless the head carries
+position, as vLLM does. ``eagle_aux_hidden_state_layer_ids`` count layers done by default
+(vLLM's convention, and the index of Hugging Face's ``hidden_states``): id ``i`` taps the
+output of layer ``i - 1``. Heads trained for SGLang count one later (SGLang captures before
+layer ``i + 1``: id ``i`` is the output of layer ``i``); a head says so with
+``eagle_aux_hidden_state_layer_ids_convention: "sglang"`` (in ``eagle_config`` or at the top
+level; :data:`CONVENTIONS`). No upstream config names the convention, and guessing it from
+the ids (SGLang reads a first id of 1 as its own) cannot tell a vLLM head that taps layer 0
+from an SGLang one: the field is explicit, and a head whose taps fall outside the target is
+refused naming the file and the field. The embedding is the target's unless the head carries
 its own (and then the target's is used when the two are bit-identical).
 
 As for the MTP block (drafters/mtp.py), a context row waits for the token after it (``last``), only
@@ -39,6 +46,12 @@ ARCHITECTURES = EAGLE3_ARCHITECTURES     # the converter tells an EAGLE-3 export
 MAX_DRAFT = 16
 """Most tokens one proposal drafts (the head has no limit of its own; see mtp.MAX_DRAFT)."""
 
+CONVENTION_FIELD = "eagle_aux_hidden_state_layer_ids_convention"
+CONVENTIONS = {"vllm": 1, "sglang": 0}
+"""How a head counts its auxiliary layers: what to subtract from an id for the 0-based target
+layer whose output it taps. "vllm" (the default): layers done; "sglang": one later."""
+DEFAULT_CONVENTION = "vllm"
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -51,9 +64,11 @@ class Eagle3Config:
     draft_vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    target_layer_ids: tuple     # 0-based target layers tapped (eagle ids - 1)
+    target_layer_ids: tuple     # 0-based target layers tapped (eagle ids - CONVENTIONS[...])
     target_hidden_size: int
     norm_before_residual: bool
+    declared_ids: tuple = ()    # eagle_aux_hidden_state_layer_ids as the config gives them
+    convention: str = DEFAULT_CONVENTION
 
 
 def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
@@ -79,8 +94,16 @@ def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise DrafterError(f"{where}: unsupported EAGLE-3 variant: biases in attention or MLP")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
+    convention = eagle.get(CONVENTION_FIELD, cfg.get(CONVENTION_FIELD, DEFAULT_CONVENTION))
+    if convention not in CONVENTIONS:
+        raise DrafterError(f"{where}: {CONVENTION_FIELD} {convention!r} is not one of "
+                           f"{', '.join(map(repr, CONVENTIONS))}")
     if ids is None:                              # vLLM's default choice of auxiliary layers
-        ids = [2, target_layers // 2, target_layers - 3]
+        ids, convention = [2, target_layers // 2, target_layers - 3], "vllm"
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of "
+                           f"integers, not {ids!r}")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     vocab = int(cfg["vocab_size"])
@@ -91,9 +114,10 @@ def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
         draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        target_layer_ids=tuple(int(i) - 1 for i in ids),
+        target_layer_ids=tuple(i - CONVENTIONS[convention] for i in ids),
         target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
-        norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        declared_ids=tuple(ids), convention=convention)
 
 
 def check_fits(cfg: Eagle3Config, target, where: str):
@@ -105,11 +129,14 @@ def check_fits(cfg: Eagle3Config, target, where: str):
     if cfg.vocab_size != vocab:
         raise DrafterError(f"{where}: EAGLE-3 head vocab_size {cfg.vocab_size} != target "
                            f"vocab_size {vocab} (wrong drafter for this target)")
-    bad = [i + 1 for i in cfg.target_layer_ids if not 0 <= i < layers]
-    if bad:
+    if not all(0 <= i < layers for i in cfg.target_layer_ids):
+        shift = CONVENTIONS[cfg.convention]
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids "
-                           f"{[i + 1 for i in cfg.target_layer_ids]} out of range for a "
-                           f"{layers}-layer target (wrong drafter for this target)")
+                           f"{list(cfg.declared_ids)} out of range for a {layers}-layer target: "
+                           f"counted the {cfg.convention} way ({CONVENTION_FIELD}), ids "
+                           f"{shift}..{layers - 1 + shift} tap its layers 0..{layers - 1} "
+                           f"(wrong drafter for this target, or a head that counts the other "
+                           f"way and does not say so)")
 
 
 def expected_tensors(cfg: Eagle3Config) -> dict:

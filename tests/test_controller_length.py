@@ -1,0 +1,228 @@
+"""``num_draft="auto"``: each round's draft length is the argmax of expected tokens per unit of
+cost (decode/length.py). The choice itself against a float64 NumPy brute force and hand-worked
+cases; the acceptance estimates from accepted counts; the cost curve refreshed by rounds; then
+on the real loop: greedy output equals serial with every drafter whatever lengths are chosen,
+and the lengths follow the drafter's acceptance and the machine's cost curve."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx_dspark as md
+from loop_helpers import serial_greedy
+from mlx_dspark.decode import controller as C, length as L
+from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.session import Session
+from mlx_dspark.drafters import KINDS
+from mlx_dspark.request import Request, RequestError
+from mlx_dspark.stats import Stats
+from mlx_dspark.testing.oracle_drafter import OracleDrafter
+from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+
+
+# --- the choice (no clock)
+
+
+def brute_force(alpha, cost) -> tuple[int, float]:
+    """Tokens per unit of cost for every length, in float64, written from the definition:
+    E(n) = 1 + sum_{j<=n} prod_{i<=j} alpha_i."""
+    a = np.asarray(alpha, np.float64)
+    e = 1.0 + np.cumsum(np.cumprod(a))
+    rate = e / np.asarray(cost, np.float64)
+    n = int(np.argmax(rate))          # the first maximum: the shortest on a tie
+    return n + 1, float(rate[n])
+
+
+def test_expected_tokens_add_the_running_products_of_acceptance():
+    assert L.expected_tokens([0.9, 0.5, 0.2], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert L.expected_tokens([0.9, 0.5, 0.2], 1) == pytest.approx(1.9)
+
+
+def test_the_chosen_length_maximises_expected_tokens_per_unit_of_cost():
+    # E = 1.9, 2.62, 2.98 over costs 1.2, 1.3, 2.5: 1.58, 2.02, 1.19 tokens per step
+    n, rate = L.best_length([0.9, 0.8, 0.5], lambda n: [1.2, 1.3, 2.5][n - 1])
+    assert n == 2 and rate == pytest.approx(2.62 / 1.3)
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        k = int(rng.integers(1, 8))
+        alpha = rng.uniform(0, 1, k).tolist()
+        cost = np.cumsum(rng.uniform(0.05, 1.5, k)).tolist()     # dearer with every draft
+        n, rate = L.best_length(alpha, lambda n: cost[n - 1])
+        want = brute_force(alpha, cost)
+        assert n == want[0] and rate == pytest.approx(want[1], rel=1e-12)
+
+
+def test_a_flat_verify_drafts_far_and_a_steep_one_drafts_one():
+    good = [0.9] * 7
+    assert L.best_length(good, lambda n: 1.0 + 0.03 * n)[0] == 7     # a Mac's economics
+    assert L.best_length(good, lambda n: 1.0 + n)[0] == 1            # this CPU's, stock BLAS
+    assert L.best_length([0.0] * 7, lambda n: 1.0)[0] == 1           # a tie: the shortest
+
+
+def test_acceptance_estimates_update_from_accepted_counts():
+    c = C.Controller(3, curve=L.Curve([1.0, 1.0, 1.0]))
+    assert c.alpha() == pytest.approx([0.5, 0.5, 0.5])                # the prior
+    c.observe_round(1.0, 3, num_tested=3, num_accepted=2)             # d1, d2 kept, d3 not
+    a1 = (1 + 0.25) / 1.5
+    a2 = (1 + 0.5 * a1) / 1.5
+    a3 = (0 + 0.5 * a2) / 1.5
+    assert c.alpha() == pytest.approx([a1, a2, a3])
+    c.observe_round(1.0, 1, num_tested=1, num_accepted=0)             # a length-1 round
+    f = C.DECAY                                                       # (aged per token)
+    b1 = (f * 1 + 0.25) / (f * 1 + 1 + 0.5)
+    b2 = (f * 1 + 0.5 * b1) / (f * 1 + 0.5)
+    b3 = (0 + 0.5 * b2) / (f * 1 + 0.5)
+    assert c.alpha() == pytest.approx([b1, b2, b3])
+
+
+def test_a_position_never_tested_counts_as_the_one_before_it():
+    c = C.Controller(4, curve=L.Curve([1.0] * 4))
+    c.tested, c.accepted = [40.0, 40.0, 0.0, 0.0], [36.0, 32.0, 0.0, 0.0]
+    a = c.alpha()
+    assert a[0] == pytest.approx(36.25 / 40.5)
+    assert a[2] == pytest.approx(a[1]) and a[3] == pytest.approx(a[1])
+
+
+def test_the_length_follows_the_acceptance_on_a_flat_curve():
+    c = C.Controller(7, curve=L.Curve([1.0 + 0.05 * n for n in range(1, 8)]))
+    c.observe_serial(1.0)
+    for _ in range(30):                                 # every draft accepted
+        n = c.length()
+        c.observe_round(1.0 + 0.05 * n, n, num_tested=n, num_accepted=n)
+    assert c.length() == 7
+    for _ in range(30):                                 # the first draft rejected every time
+        n = c.length()
+        c.observe_round(1.0 + 0.05 * n, n, num_tested=1, num_accepted=0)
+    assert c.length() == 1
+
+
+def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
+    curve = L.Curve([1.0, 2.0, 3.0, 4.0])
+    assert [curve.cost(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]
+    c = C.Controller(4, curve=curve)
+    c.observe_serial(0.5)
+    c.observe_round(1.0, 1, num_tested=1, num_accepted=1)     # 1.0 s / 0.5 s: 2 steps
+    assert curve.seen == {1: [2.0]}
+    assert [curve.cost(n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 6.0, 8.0]   # the load doubled
+    for ratio in (3.0, 9.0, 3.0):                   # a spike: medians do not chase it
+        curve.observe(2, ratio)
+    curve.observe(3, 3.3)
+    # lengths run: their own medians; length 4: the median of 2/1, 3/2, 3.3/3 times 4
+    assert [curve.cost(n) for n in (1, 2, 3)] == [2.0, 3.0, 3.3]
+    assert curve.cost(4) == pytest.approx(1.5 * 4.0)
+
+
+def test_the_ceiling_is_the_best_perfect_round_on_the_curve():
+    c = C.Controller(3, curve=L.Curve([2.0, 2.5, 5.0]))
+    assert c.ceiling() == pytest.approx(3 / 2.5)
+
+
+def test_num_draft_takes_auto_and_refuses_other_words():
+    assert Request([1, 2], num_draft="auto").num_draft == "auto"
+    with pytest.raises(RequestError) as e:
+        Request([1, 2], num_draft="max")
+    assert e.value.param == "num_draft" and "'auto'" in str(e.value)
+
+
+# --- on the real loop
+
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2], list(range(1, 30))]
+TOY_DRAFTERS = {"dspark": random_drafter, "mtp": lambda t: random_mtp(t, seed=2),
+                "eagle3": lambda t: random_eagle3(t, seed=3)}
+
+
+class Cycling(C.Controller):
+    """Speculates every step, drafting 1, 2, .., longest, 1, .. tokens: every length, and
+    every change of length, in one run."""
+
+    def __init__(self, longest):
+        super().__init__(longest, curve=L.Curve([1.0] * longest))
+        self.lengths = []
+
+    def speculate_next(self):
+        return True
+
+    def length(self):
+        self.lengths.append(len(self.lengths) % self.num_draft + 1)
+        return self.lengths[-1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=1)
+
+
+@pytest.mark.parametrize("kind", list(TOY_DRAFTERS))
+def test_greedy_with_lengths_changing_every_round_equals_serial(target, kind):
+    drafter = TOY_DRAFTERS[kind](target)
+    for prompt in PROMPTS:
+        session = Session(target, drafter)
+        session.controller = control = Cycling(L.longest(drafter))
+        stats = Stats()
+        out = list(decode(session, Request(prompt, max_tokens=24, num_draft="auto"), stats))
+        assert out == serial_greedy(target, prompt, 24)
+        assert stats.rounds > 0 and len(set(control.lengths)) == L.longest(drafter)
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+@pytest.mark.parametrize("kind", list(TOY_DRAFTERS))
+def test_greedy_auto_length_on_the_measured_curve_equals_serial(target, kind, mode):
+    drafter = TOY_DRAFTERS[kind](target)
+    for prompt in PROMPTS:
+        out = list(decode(Session(target, drafter),
+                          Request(prompt, max_tokens=24, num_draft="auto", speculative=mode)))
+        assert out == serial_greedy(target, prompt, 24)
+    curve = drafter._auto_curve              # measured once, kept on the drafter
+    assert len(curve) == L.longest(drafter) and all(c > 0 for c in curve)
+
+
+class FlatCosts(C.Controller):
+    """Speculates every step on a nearly flat cost curve (a Mac's economics), with the
+    clock replaced by that curve: its lengths depend only on what the drafter accepts."""
+
+    def __init__(self, longest):
+        super().__init__(longest, curve=L.Curve([self.cost(n) for n in range(1, longest + 1)]))
+
+    @staticmethod
+    def cost(n):
+        return 1.0 + 0.02 * n
+
+    def speculate_next(self):
+        return True
+
+    def observe_serial(self, seconds):
+        super().observe_serial(1.0)
+
+    def observe_round(self, seconds, num_drafted, num_tested, num_accepted):
+        super().observe_round(self.cost(num_drafted), num_drafted, num_tested, num_accepted)
+
+
+def test_a_perfect_drafter_on_a_flat_curve_drafts_the_longest_and_a_useless_one_one(target):
+    prompt = PROMPTS[0]
+    ref = serial_greedy(target, prompt, 60)
+    for acceptance in (1.0, 0.0):
+        session = Session(target, OracleDrafter(prompt + ref, 97, acceptance))
+        session.controller = FlatCosts(7)
+        stats = Stats()
+        out = list(decode(session, Request(prompt, max_tokens=60, num_draft="auto"), stats))
+        assert out == ref
+        if acceptance:       # 7 drafts kept a round: 8 tokens, the last round cut short
+            assert stats.rounds <= 60 // 8 + 1 and stats.accepted == stats.drafted
+        else:                # the prior's first guess is long, then one draft a round
+            assert stats.drafted <= stats.rounds + 6 and stats.rounds >= 50
+
+
+DEMO_KINDS = [name for name, kind in KINDS.items() if kind.demo or not kind.architectures]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DEMO_KINDS)
+def test_every_demo_drafter_with_auto_length_gives_the_serial_text(name):
+    pair = md.load(drafter=name, dtype="float32")
+    for prompt in ("def fibonacci(n):\n", "Write a short poem about the sea."):
+        serial = md.generate(pair, prompt, max_tokens=40, speculative=False)
+        for mode in ("on", "auto"):
+            spec = md.generate(pair, prompt, max_tokens=40, num_draft="auto", speculative=mode)
+            assert spec.tokens == serial.tokens, (name, mode, prompt)
