@@ -226,3 +226,15 @@ def test_every_demo_drafter_with_auto_length_gives_the_serial_text(name):
         for mode in ("on", "auto"):
             spec = md.generate(pair, prompt, max_tokens=40, num_draft="auto", speculative=mode)
             assert spec.tokens == serial.tokens, (name, mode, prompt)
+
+
+@pytest.mark.parametrize("kind", list(TOY_DRAFTERS))
+def test_seeded_reproducible_sampling_with_changing_lengths_gives_the_serial_text(target, kind):
+    # the reproducible scheme's text depends on the seed alone, never on the drafts
+    drafter = TOY_DRAFTERS[kind](target)
+    options = dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, sampling="reproducible")
+    for prompt in PROMPTS:
+        serial = list(decode(Session(target), Request(prompt, speculative="off", **options)))
+        session = Session(target, drafter)
+        session.controller = Cycling(L.longest(drafter))
+        assert list(decode(session, Request(prompt, num_draft="auto", **options))) == serial
