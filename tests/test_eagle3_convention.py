@@ -8,7 +8,6 @@ converter."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import mlx.core as mx
 import pytest
@@ -17,6 +16,7 @@ from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.eagle3 import CONVENTION_FIELD, parse_config
 from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.models.weights import CheckpointError
+from test_eagle3 import _copy as edited
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,6 @@ def converted(tmp_path_factory):
     return (convert(str(root / "tsrc"), root / "target", progress=False),
             convert(str(root / "hsrc"), root / "head", progress=False),
             convert(str(root / "sglang"), root / "sglang-head", progress=False))
-
-
-def edited(tmp_path, hdir, edit):
-    out = tmp_path / "h"
-    shutil.copytree(hdir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    edit(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_each_convention_maps_the_ids_to_the_layers_it_means():
