@@ -39,7 +39,7 @@ def main():
     args = ap.parse_args()
     if args.clock == "cpu":
         time.perf_counter = time.process_time     # before anything reads a clock
-    from mlx_dspark.cli import main as cli
+    from mlx_dspark import cli
 
     out = io.StringIO()
     argv = ["bench", "--drafters", "all", "--num-draft", *args.num_draft.split(","),

@@ -437,7 +437,8 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
     list of chat messages, a list of token ids used verbatim, or a :class:`Request` (then no
     other option is taken). Options (:func:`make_request`): ``temperature``, ``top_p``,
-    ``top_k``, ``seed``, ``num_draft``; ``speculative``: "auto", True/"on" or False/"off";
+    ``top_k``, ``seed``, ``num_draft`` (an int, or "auto": each round's length chosen);
+    ``speculative``: "auto", True/"on" or False/"off";
     ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
     stop; a stop token is not part of the output; a stop string ends the text just before it,
     the token that completed it kept in ``tokens``; under a grammar it cuts nothing and ends
