@@ -90,11 +90,11 @@ def test_the_length_follows_the_acceptance_on_a_flat_curve():
     for _ in range(30):                                 # every draft accepted
         n = c.length()
         c.observe_round(1.0 + 0.05 * n, n, num_tested=n, num_accepted=n)
-    assert c.length() == 7
+    assert c.best() == 7
     for _ in range(30):                                 # the first draft rejected every time
         n = c.length()
         c.observe_round(1.0 + 0.05 * n, n, num_tested=1, num_accepted=0)
-    assert c.length() == 1
+    assert c.best() == 1
 
 
 def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
@@ -111,6 +111,26 @@ def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
     # lengths run: their own medians; length 4: the median of 2/1, 3/2, 3.3/3 times 4
     assert [curve.cost(n) for n in (1, 2, 3)] == [2.0, 3.0, 3.3]
     assert curve.cost(4) == pytest.approx(1.5 * 4.0)
+
+
+def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curve(monkeypatch):
+    def run(rounds):
+        # the load-time curve over-prices lengths 2 and 3; rounds really cost 1 + 0.05 n
+        c = C.Controller(3, curve=L.Curve([1.0, 3.0, 3.0]))
+        c.observe_serial(1.0)
+        lengths = []
+        for _ in range(rounds):
+            n = c.length()
+            lengths.append(n)
+            c.observe_round(1.0 + 0.05 * n, n, num_tested=n, num_accepted=n)
+        return c, lengths
+
+    c, lengths = run(64)
+    assert lengths[:15] == [1] * 15 and lengths[15] == 2      # the 16th round explores
+    assert c.best() == 3 and lengths[-1] == 3
+    monkeypatch.setattr(C, "EXPLORE", 10 ** 9)
+    c, lengths = run(64)
+    assert set(lengths) == {1} and c.best() == 1               # without it: stuck at 1
 
 
 def test_the_ceiling_is_the_best_perfect_round_on_the_curve():
@@ -211,7 +231,8 @@ def test_a_perfect_drafter_on_a_flat_curve_drafts_the_longest_and_a_useless_one_
         if acceptance:       # 7 drafts kept a round: 8 tokens, the last round cut short
             assert stats.rounds <= 60 // 8 + 1 and stats.accepted == stats.drafted
         else:                # the prior's first guess is long, then one draft a round
-            assert stats.drafted <= stats.rounds + 6 and stats.rounds >= 50
+            assert stats.drafted <= stats.rounds + 6 + stats.rounds // C.EXPLORE
+            assert stats.rounds >= 50
 
 
 DEMO_KINDS = [name for name, kind in KINDS.items() if kind.demo or not kind.architectures]

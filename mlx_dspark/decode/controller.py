@@ -65,6 +65,7 @@ PROBE_BUDGET = 0.02  # largest share of serial time probes may cost
 REMEASURE_BUDGET = 0.01  # the same when no content could pay: probes only re-measure costs
 REFRESH = 8       # speculative rounds between serial cost refreshes
 PRIOR = 0.5       # acceptance prior, in tests: one success already says 0.83
+EXPLORE = 16      # num_draft="auto": every 16th round drafts one more than the best length
 MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
 
@@ -89,6 +90,7 @@ class Controller:
     catchup_totals: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    rounds: int = 0
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
 
     def __post_init__(self):
@@ -107,15 +109,25 @@ class Controller:
             out.append(prior)
         return out
 
-    def length(self) -> int:
-        """The next round's draft length: the most expected tokens per unit of cost."""
+    def best(self) -> int:
+        """The draft length with the most expected tokens per unit of cost."""
         if self.curve is None:
             return self.num_draft
         return best_length(self.alpha(), self.curve.cost)[0]
 
+    def length(self) -> int:
+        """The next round's draft length: :meth:`best`, one more every ``EXPLORE``-th round.
+        Only a length that is run gets its cost measured and its last position tested, so
+        without that a curve that over-prices longer rounds (measured at load, under another
+        load, for another context) would never be corrected."""
+        n = self.best()
+        if self.curve is not None and self.rounds % EXPLORE == EXPLORE - 1:
+            return min(n + 1, self.curve.longest)
+        return n
+
     def expected_tokens(self) -> float:
-        """Expected tokens emitted by the next round, the bonus included."""
-        return expected_tokens(self.alpha(), self.length())
+        """Expected tokens emitted by a round of the best length, the bonus included."""
+        return expected_tokens(self.alpha(), self.best())
 
     @property
     def t_serial(self) -> float | None:
@@ -125,7 +137,7 @@ class Controller:
     def round_cost(self) -> float | None:
         """The next round's cost in serial steps."""
         if self.curve is not None:
-            return self.curve.cost(self.length())
+            return self.curve.cost(self.best())
         return median(self.round_ratios)
 
     @property
@@ -184,6 +196,7 @@ class Controller:
         max_tokens) count for acceptance but not for cost; with a ``curve`` each round prices
         its own length."""
         self._age(num_accepted + 1)
+        self.rounds += 1
         for i in range(num_tested):
             self.tested[i] += 1.0
             self.accepted[i] += 1.0 if i < num_accepted else 0.0

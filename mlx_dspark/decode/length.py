@@ -16,7 +16,9 @@ the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, 
 a scratch session when the pair first runs "auto" (:func:`measured_curve`, kept on the
 drafter: a property of this target, drafter and machine), then refreshed by every round
 the loop runs (a median per length; lengths not run lately follow the measured ones by
-their ratio to the load-time curve, so a load swing or a longer context moves them too)."""
+their ratio to the load-time curve, so a load swing or a longer context moves them too).
+Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
+that is run is measured, so a curve that over-prices longer rounds is corrected that way."""
 
 from __future__ import annotations
 
