@@ -41,23 +41,23 @@ def test_expected_tokens_add_the_running_products_of_acceptance():
 
 def test_the_chosen_length_maximises_expected_tokens_per_unit_of_cost():
     # E = 1.9, 2.62, 2.98 over costs 1.2, 1.3, 2.5: 1.58, 2.02, 1.19 tokens per step
-    n, rate = L.best_length([0.9, 0.8, 0.5], lambda n: [1.2, 1.3, 2.5][n - 1])
+    n, rate = L.best_length([0.9, 0.8, 0.5], [1.2, 1.3, 2.5])
     assert n == 2 and rate == pytest.approx(2.62 / 1.3)
     rng = np.random.default_rng(0)
     for _ in range(500):
         k = int(rng.integers(1, 8))
         alpha = rng.uniform(0, 1, k).tolist()
         cost = np.cumsum(rng.uniform(0.05, 1.5, k)).tolist()     # dearer with every draft
-        n, rate = L.best_length(alpha, lambda n: cost[n - 1])
+        n, rate = L.best_length(alpha, cost)
         want = brute_force(alpha, cost)
         assert n == want[0] and rate == pytest.approx(want[1], rel=1e-12)
 
 
 def test_a_flat_verify_drafts_far_and_a_steep_one_drafts_one():
     good = [0.9] * 7
-    assert L.best_length(good, lambda n: 1.0 + 0.03 * n)[0] == 7     # a Mac's economics
-    assert L.best_length(good, lambda n: 1.0 + n)[0] == 1            # this CPU's, stock BLAS
-    assert L.best_length([0.0] * 7, lambda n: 1.0)[0] == 1           # a tie: the shortest
+    assert L.best_length(good, [1.0 + 0.03 * n for n in range(1, 8)])[0] == 7   # a Mac
+    assert L.best_length(good, [1.0 + n for n in range(1, 8)])[0] == 1   # stock BLAS here
+    assert L.best_length([0.0] * 7, [1.0] * 7)[0] == 1           # a tie: the shortest
 
 
 def test_acceptance_estimates_update_from_accepted_counts():
@@ -104,13 +104,13 @@ def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
     c.observe_serial(0.5)
     c.observe_round(1.0, 1, num_tested=1, num_accepted=1)     # 1.0 s / 0.5 s: 2 steps
     assert curve.seen == {1: [2.0]}
-    assert [curve.cost(n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 6.0, 8.0]   # the load doubled
-    for ratio in (3.0, 9.0, 3.0):                   # a spike: medians do not chase it
+    assert [curve.cost(n) for n in (1, 2, 3, 4)] == [2.0, 3.0, 4.0, 5.0]   # a round's overhead
+    for ratio in (3.5, 9.0, 3.5):                   # a spike: medians do not chase it
         curve.observe(2, ratio)
     curve.observe(3, 3.3)
-    # lengths run: their own medians; length 4: the median of 2/1, 3/2, 3.3/3 times 4
-    assert [curve.cost(n) for n in (1, 2, 3)] == [2.0, 3.0, 3.3]
-    assert curve.cost(4) == pytest.approx(1.5 * 4.0)
+    # lengths run: their own medians; length 4: 4 plus the median of 2-1, 3.5-2, 3.3-3
+    assert [curve.cost(n) for n in (1, 2, 3)] == [2.0, 3.5, 3.3]
+    assert curve.cost(4) == pytest.approx(4.0 + 1.0)
 
 
 def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curve(monkeypatch):

@@ -113,7 +113,7 @@ class Controller:
         """The draft length with the most expected tokens per unit of cost."""
         if self.curve is None:
             return self.num_draft
-        return best_length(self.alpha(), self.curve.cost)[0]
+        return best_length(self.alpha(), self.curve.costs())[0]
 
     def length(self) -> int:
         """The next round's draft length: :meth:`best`, one more every ``EXPLORE``-th round.
@@ -155,6 +155,8 @@ class Controller:
     def predicted_speedup(self) -> float | None:
         if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
             return None
+        if self.curve is not None:      # the best length's rate, E / cost, in one pass
+            return best_length(self.alpha(), self.curve.costs())[1]
         return self.expected_tokens() / self.round_cost
 
     # -- decision ----------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class Controller:
     def ceiling(self) -> float | None:
         """The speedup of a round whose every draft is accepted: no content can beat it."""
         if self.curve is not None:
-            return best_length([1.0] * self.curve.longest, self.curve.cost)[1]
+            return best_length([1.0] * self.curve.longest, self.curve.costs())[1]
         return None if self.round_cost is None else (self.num_draft + 1) / self.round_cost
 
     def _affordable(self, steps: int) -> int:

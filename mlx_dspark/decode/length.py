@@ -16,7 +16,8 @@ the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, 
 a scratch session when the pair first runs "auto" (:func:`measured_curve`, kept on the
 drafter: a property of this target, drafter and machine), then refreshed by every round
 the loop runs (a median per length; lengths not run lately follow the measured ones by
-their ratio to the load-time curve, so a load swing or a longer context moves them too).
+their offset from the load-time curve, so a longer context or a round's own overhead moves
+them too).
 Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
 that is run is measured, so a curve that over-prices longer rounds is corrected that way."""
 
@@ -43,14 +44,15 @@ def expected_tokens(alpha, n: int) -> float:
     return e
 
 
-def best_length(alpha, cost) -> tuple[int, float]:
+def best_length(alpha, costs) -> tuple[int, float]:
     """The draft length ``n`` in ``1..len(alpha)`` with the most expected tokens per serial
-    step, ``E(n) / cost(n)``, and that rate; the shortest one on a tie."""
-    best = (1, expected_tokens(alpha, 1) / cost(1))
-    for n in range(2, len(alpha) + 1):
-        rate = expected_tokens(alpha, n) / cost(n)
-        if rate > best[1]:
-            best = (n, rate)
+    step, ``E(n) / costs[n - 1]``, and that rate; the shortest one on a tie."""
+    best, e, run = (0, 0.0), 1.0, 1.0
+    for n, (a, cost) in enumerate(zip(alpha, costs), 1):
+        run *= a
+        e += run
+        if e / cost > best[1]:
+            best = (n, e / cost)
     return best
 
 
@@ -67,14 +69,24 @@ class Curve:
         return len(self.loaded)
 
     def cost(self, n: int) -> float:
-        if self.seen.get(n):
-            return median(self.seen[n])
-        return self.loaded[n - 1] * self.drift()
+        return self.costs()[n - 1]
 
-    def drift(self) -> float:
-        """How far the rounds run lately sit from the load-time curve (1: no round yet)."""
-        ratios = [median(v) / self.loaded[n - 1] for n, v in self.seen.items() if v]
-        return median(ratios) if ratios else 1.0
+    def costs(self) -> list[float]:
+        """The cost of each length 1..longest: its recent rounds' median, else the load-time
+        cost plus :meth:`offset` (kept positive: a length priced too low is run, and then
+        measured)."""
+        offset = self.offset()
+        return [median(self.seen[n]) if self.seen.get(n) else max(c + offset, 1e-3)
+                for n, c in enumerate(self.loaded, 1)]
+
+    def offset(self) -> float:
+        """How far the rounds run lately sit from the load-time curve, in serial steps (0: no
+        round yet). Added, not multiplied: costs are ratios to a serial step measured at the
+        same time, so a load swing cancels out already, and what remains is mostly what a
+        real round does beyond a draft and a verify (acceptance, rollback, bookkeeping), the
+        same at every length; scaling would make the longer lengths look dearer than they are."""
+        gaps = [median(v) - self.loaded[n - 1] for n, v in self.seen.items() if v]
+        return median(gaps) if gaps else 0.0
 
     def observe(self, n: int, ratio: float):
         seen = self.seen.setdefault(n, [])
