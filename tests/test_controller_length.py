@@ -133,6 +133,15 @@ def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curv
     assert set(lengths) == {1} and c.best() == 1               # without it: stuck at 1
 
 
+def test_forced_on_without_serial_steps_rounds_are_priced_by_the_load_time_step():
+    c = C.Controller(3, mode="on", curve=L.Curve([1.0, 2.0, 3.0], step=0.01))
+    c.observe_round(0.05, 2, num_tested=2, num_accepted=1)          # 5 load-time steps
+    assert c.curve.seen == {2: [pytest.approx(5.0)]}
+    c.observe_serial(0.025)                                         # a step timed: it counts
+    c.observe_round(0.05, 2, num_tested=2, num_accepted=1)
+    assert c.curve.seen[2][-1] == pytest.approx(2.0)
+
+
 def test_the_ceiling_is_the_best_perfect_round_on_the_curve():
     c = C.Controller(3, curve=L.Curve([2.0, 2.5, 5.0]))
     assert c.ceiling() == pytest.approx(3 / 2.5)
@@ -194,8 +203,8 @@ def test_greedy_auto_length_on_the_measured_curve_equals_serial(target, kind, mo
         out = list(decode(Session(target, drafter),
                           Request(prompt, max_tokens=24, num_draft="auto", speculative=mode)))
         assert out == serial_greedy(target, prompt, 24)
-    curve = drafter._auto_curve              # measured once, kept on the drafter
-    assert len(curve) == L.longest(drafter) and all(c > 0 for c in curve)
+    step, curve = drafter._auto_curve        # measured once, kept on the drafter
+    assert step > 0 and len(curve) == L.longest(drafter) and all(c > 0 for c in curve)
 
 
 class FlatCosts(C.Controller):

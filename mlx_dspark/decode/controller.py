@@ -202,11 +202,15 @@ class Controller:
         for i in range(num_tested):
             self.tested[i] += 1.0
             self.accepted[i] += 1.0 if i < num_accepted else 0.0
-        if self.t_serial is not None:
-            if self.curve is not None:       # a round of any length prices that length
-                self.curve.observe(num_drafted, seconds / self.t_serial)
-            if num_drafted == self.num_draft or self.curve is not None:
-                _push(self.round_ratios, seconds / self.t_serial)
+        if self.curve is not None:
+            # a round of any length prices that length; forced on, no serial step is ever
+            # timed, and the curve's own step (measured at load) stands in for one
+            step = self.t_serial or self.curve.step
+            if step:
+                self.curve.observe(num_drafted, seconds / step)
+        if self.t_serial is not None and (num_drafted == self.num_draft
+                                          or self.curve is not None):
+            _push(self.round_ratios, seconds / self.t_serial)
         if self.mode != "auto":
             return
         if self.speculating:

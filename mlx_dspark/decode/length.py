@@ -62,6 +62,7 @@ class Curve:
     measured at load, ``seen`` the recent rounds' measured costs per length."""
 
     loaded: list[float]
+    step: float | None = None     # a serial step's seconds when ``loaded`` was measured
     seen: dict[int, list[float]] = field(default_factory=dict)
 
     @property
@@ -132,10 +133,10 @@ def scratch(target, drafter, prompt: list[int]) -> tuple[Session, int]:
     return session, bonus
 
 
-def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> list[float]:
-    """A round's cost at each length ``1..longest(drafter)`` over one serial step: medians
-    of ``repeats`` (after one warm-up, which also compiles each length's kernels), the
-    lengths interleaved so that a load swing hits them all."""
+def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> tuple:
+    """A serial step's seconds and a round's cost at each length ``1..longest(drafter)`` in
+    such steps: medians of ``repeats`` (after one warm-up, which also compiles each length's
+    kernels), the lengths interleaved so that a load swing hits them all."""
     vocab = target.config.vocab_size
     session, bonus = scratch(target, drafter, [i % vocab for i in range(CALIBRATION_TOKENS)])
     lengths = range(1, longest(drafter) + 1)
@@ -149,17 +150,18 @@ def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> list[float
         for n in lengths:
             rounds[n].append(sum(time_round(session, bonus, n)))
     step = statistics.median(steps[1:])
-    return [statistics.median(rounds[n][1:]) / step for n in lengths]
+    return step, [statistics.median(rounds[n][1:]) / step for n in lengths]
 
 
 def measured_curve(target, drafter) -> Curve:
     """A fresh :class:`Curve` from this pair's load-time measurement, taken on the first
     call and kept on the drafter (it is the drafter's and its target's cost here)."""
-    loaded = getattr(drafter, "_auto_curve", None)
-    if loaded is None:
-        loaded = calibrate(target, drafter)
-        object.__setattr__(drafter, "_auto_curve", loaded)   # not a module parameter
-    return Curve(list(loaded))
+    measured = getattr(drafter, "_auto_curve", None)
+    if measured is None:
+        measured = calibrate(target, drafter)
+        object.__setattr__(drafter, "_auto_curve", measured)   # not a module parameter
+    step, loaded = measured
+    return Curve(list(loaded), step)
 
 
 def median(values: list) -> float | None:
