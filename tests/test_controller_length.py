@@ -203,8 +203,9 @@ def test_greedy_auto_length_on_the_measured_curve_equals_serial(target, kind, mo
         out = list(decode(Session(target, drafter),
                           Request(prompt, max_tokens=24, num_draft="auto", speculative=mode)))
         assert out == serial_greedy(target, prompt, 24)
-    step, curve = drafter._auto_curve        # measured once, kept on the drafter
-    assert step > 0 and len(curve) == L.longest(drafter) and all(c > 0 for c in curve)
+    curve = drafter._auto_curve              # measured once, kept on the drafter
+    assert curve.step > 0 and curve.longest == L.longest(drafter)
+    assert all(c > 0 for c in curve.loaded) and curve.seen      # refreshed by the rounds
 
 
 class FlatCosts(C.Controller):

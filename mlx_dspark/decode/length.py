@@ -14,8 +14,8 @@ alone, at more cost: the choice is how far to draft, made before drafting.
 ``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
 the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, measured on
 a scratch session when the pair first runs "auto" (:func:`measured_curve`, kept on the
-drafter: a property of this target, drafter and machine), then refreshed by every round
-the loop runs (a median per length; lengths not run lately follow the measured ones by
+drafter: a property of this target, drafter and machine, shared by its requests), then
+refreshed by every round the loop runs (a median per length; lengths not run lately follow the measured ones by
 their offset from the load-time curve, so a longer context or a round's own overhead moves
 them too).
 Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
@@ -99,23 +99,24 @@ def longest(drafter) -> int:
     return min(LONGEST, drafter.max_draft)
 
 
-def time_round(session, bonus: int, n: int) -> tuple[float, float]:
+def time_round(session, bonus: int, n: int, split: bool = True) -> tuple[float, float]:
     """Wall times (s) of one evaluated ``propose(n)`` after ``bonus`` and of the verify of
-    the ``n + 1`` tokens, on ``session``, whose caches are left as they were."""
+    the ``n + 1`` tokens, on ``session``, whose caches are left as they were. ``split``
+    False: both in one graph, evaluated once, as a round computes them (the time is then
+    all in the second figure)."""
     target, drafter = session.target, session.drafter
     state = session.cache.snapshot()
     t0 = time.perf_counter()
     tokens, _ = drafter.propose(bonus, n, cache=session.draft_cache)   # leaves the cache
-    mx.eval(tokens)
-    t1 = time.perf_counter()
     block = mx.concatenate([mx.array([bonus], dtype=mx.int32), tokens])[None]
-    mx.eval(block)
-    t2 = time.perf_counter()
+    if split:
+        mx.eval(block)
+    t1 = time.perf_counter()
     mx.eval(target.verify(block, session.cache, tap_layers=session.tap_layers))
-    t3 = time.perf_counter()
+    t2 = time.perf_counter()
     target.commit(session.cache, n + 1)
     session.cache.restore(state)
-    return t1 - t0, t3 - t2
+    return t1 - t0, t2 - t1
 
 
 def scratch(target, drafter, prompt: list[int]) -> tuple[Session, int]:
@@ -144,24 +145,26 @@ def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> tuple:
     for _ in range(repeats + 1):
         mark = session.cache.mark()
         t0 = time.perf_counter()
-        mx.eval(target.step(mx.array([[bonus]]), session.cache)[0])
+        mx.eval(target.step(mx.array([[bonus]]), session.cache,
+                            tap_layers=session.tap_layers))   # as "auto"'s serial steps
         steps.append(time.perf_counter() - t0)
         session.cache.rewind(mark)
         for n in lengths:
-            rounds[n].append(sum(time_round(session, bonus, n)))
+            rounds[n].append(sum(time_round(session, bonus, n, split=False)))
     step = statistics.median(steps[1:])
     return step, [statistics.median(rounds[n][1:]) / step for n in lengths]
 
 
 def measured_curve(target, drafter) -> Curve:
-    """A fresh :class:`Curve` from this pair's load-time measurement, taken on the first
-    call and kept on the drafter (it is the drafter's and its target's cost here)."""
-    measured = getattr(drafter, "_auto_curve", None)
-    if measured is None:
-        measured = calibrate(target, drafter)
-        object.__setattr__(drafter, "_auto_curve", measured)   # not a module parameter
-    step, loaded = measured
-    return Curve(list(loaded), step)
+    """This pair's :class:`Curve`: measured on the first call and kept on the drafter (it is
+    the drafter's and its target's cost on this machine, not a request's), so what every
+    request's rounds measure refreshes it for the next."""
+    curve = getattr(drafter, "_auto_curve", None)
+    if curve is None:
+        step, loaded = calibrate(target, drafter)
+        curve = Curve(loaded, step)
+        object.__setattr__(drafter, "_auto_curve", curve)   # not a module parameter
+    return curve
 
 
 def median(values: list) -> float | None:
