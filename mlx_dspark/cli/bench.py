@@ -234,10 +234,10 @@ def probe_ms(target, drafter, prompt: list[int], n: int, repeats: int = 5) -> tu
     with the verify, so the round's clock cannot split the two."""
     import statistics
 
-    from ..decode import length
+    from ..decode import costs
 
-    session, bonus = length.scratch(target, drafter, prompt)
-    times = [length.time_round(session, bonus, n) for _ in range(repeats + 1)]
+    session, bonus = costs.scratch(target, drafter, prompt)
+    times = [costs.time_round(session, bonus, n) for _ in range(repeats + 1)]
     return tuple(1e3 * statistics.median(t[k] for t in times[1:]) for k in (0, 1))
 
 

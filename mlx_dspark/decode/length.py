@@ -13,7 +13,7 @@ alone, at more cost: the choice is how far to draft, made before drafting.
 
 ``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
 the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, measured on
-a scratch session when the pair first runs "auto" (:func:`measured_curve`, kept on the
+a scratch session when the pair first runs "auto" (costs.py's ``measured_curve``, kept on the
 drafter: a property of this target, drafter and machine, shared by its requests), then
 refreshed by every round the loop runs (a median per length; lengths not run lately follow the measured ones by
 their offset from the load-time curve, so a longer context or a round's own overhead moves
@@ -23,16 +23,10 @@ that is run is measured, so a curve that over-prices longer rounds is corrected 
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
-
-import mlx.core as mx
 
 LONGEST = 7       # most drafts "auto" considers (NVIDIA's DGX Spark recipe drafts 7)
 COST_WINDOW = 9   # costs = medians of this many recent measurements (spikes are one-sided)
-CALIBRATION_TOKENS = 32   # the scratch context the curve is measured after
-CALIBRATION_REPEATS = 3
 
 
 def expected_tokens(alpha, n: int) -> float:
@@ -97,74 +91,6 @@ class Curve:
 
 def longest(drafter) -> int:
     return min(LONGEST, drafter.max_draft)
-
-
-def time_round(session, bonus: int, n: int, split: bool = True) -> tuple[float, float]:
-    """Wall times (s) of one evaluated ``propose(n)`` after ``bonus`` and of the verify of
-    the ``n + 1`` tokens, on ``session``, whose caches are left as they were. ``split``
-    False: both in one graph, evaluated once, as a round computes them (the time is then
-    all in the second figure)."""
-    target, drafter = session.target, session.drafter
-    state = session.cache.snapshot()
-    t0 = time.perf_counter()
-    tokens, _ = drafter.propose(bonus, n, cache=session.draft_cache)   # leaves the cache
-    block = mx.concatenate([mx.array([bonus], dtype=mx.int32), tokens])[None]
-    if split:
-        mx.eval(block)
-    t1 = time.perf_counter()
-    mx.eval(target.verify(block, session.cache, tap_layers=session.tap_layers))
-    t2 = time.perf_counter()
-    target.commit(session.cache, n + 1)
-    session.cache.restore(state)
-    return t1 - t0, t2 - t1
-
-
-def scratch(target, drafter, prompt: list[int]) -> tuple[Session, int]:
-    """A session of its own holding ``prompt`` (the drafter caught up), and the greedy
-    token after it."""
-    from .session import Session     # (session.py imports the controller, which imports this)
-
-    session = Session(target, drafter)
-    logits, taps = target.step(mx.array([prompt]), session.cache,
-                               tap_layers=session.tap_layers, last_only=True)
-    session.feed(list(prompt), taps)
-    session.flush()
-    bonus = int(mx.argmax(logits[0, -1]).item())
-    mx.eval(session.draft_cache.arrays())
-    return session, bonus
-
-
-def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> tuple:
-    """A serial step's seconds and a round's cost at each length ``1..longest(drafter)`` in
-    such steps: medians of ``repeats`` (after one warm-up, which also compiles each length's
-    kernels), the lengths interleaved so that a load swing hits them all."""
-    vocab = target.config.vocab_size
-    session, bonus = scratch(target, drafter, [i % vocab for i in range(CALIBRATION_TOKENS)])
-    lengths = range(1, longest(drafter) + 1)
-    steps, rounds = [], {n: [] for n in lengths}
-    for _ in range(repeats + 1):
-        mark = session.cache.mark()
-        t0 = time.perf_counter()
-        mx.eval(target.step(mx.array([[bonus]]), session.cache,
-                            tap_layers=session.tap_layers))   # as "auto"'s serial steps
-        steps.append(time.perf_counter() - t0)
-        session.cache.rewind(mark)
-        for n in lengths:
-            rounds[n].append(sum(time_round(session, bonus, n, split=False)))
-    step = statistics.median(steps[1:])
-    return step, [statistics.median(rounds[n][1:]) / step for n in lengths]
-
-
-def measured_curve(target, drafter) -> Curve:
-    """This pair's :class:`Curve`: measured on the first call and kept on the drafter (it is
-    the drafter's and its target's cost on this machine, not a request's), so what every
-    request's rounds measure refreshes it for the next."""
-    curve = getattr(drafter, "_auto_curve", None)
-    if curve is None:
-        step, loaded = calibrate(target, drafter)
-        curve = Curve(loaded, step)
-        object.__setattr__(drafter, "_auto_curve", curve)   # not a module parameter
-    return curve
 
 
 def median(values: list) -> float | None:

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..request import AUTO_DRAFT, NonFiniteLogits, Request, RequestError
 from ..stats import Stats
-from . import length
+from . import costs
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
 from .processors import Processors
@@ -70,7 +70,7 @@ def controller(session: Session, request: Request) -> Controller:
             return Controller(request.num_draft, mode=mode)
         if session.drafter is None or mode == "off":
             return Controller(1, mode=mode)
-        curve = length.measured_curve(session.target, session.drafter)
+        curve = costs.measured_curve(session.target, session.drafter)
         return Controller(curve.longest, mode=mode, curve=curve)
 
     if request.speculative != "auto":
