@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--repeats", default="3")
     ap.add_argument("-m", "--max-tokens", default="48")
     ap.add_argument("--num-draft", default="1,3,5,7,auto")
+    ap.add_argument("--drafters", default="all", help="all, or a comma-separated list")
     ap.add_argument("--json", metavar="FILE", help="also write the bench's report here")
     args = ap.parse_args()
     if args.clock == "cpu":
@@ -42,7 +43,7 @@ def main():
     from mlx_dspark import cli
 
     out = io.StringIO()
-    argv = ["bench", "--drafters", "all", "--num-draft", *args.num_draft.split(","),
+    argv = ["bench", "--drafters", args.drafters, "--num-draft", *args.num_draft.split(","),
             "--limit", args.limit, "--repeats", args.repeats, "-m", args.max_tokens, "--json"]
     load = os.getloadavg()
     with contextlib.redirect_stdout(out):

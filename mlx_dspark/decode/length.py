@@ -6,10 +6,12 @@ round drafts the ``n`` that maximises ``E(n) / cost(n)``, the expected tokens pe
 (:func:`best_length`); the shortest such ``n`` on a tie. Nothing about which drafts are kept
 changes, so the output is the same as at any fixed length: lossless by construction.
 
-Every drafter here drafts token by token or as a causal block (DSpark's block is causal,
-docs/design.md §6: its first ``n`` rows are exactly the block truncated), so drafting the
-whole block and verifying a prefix of it would give the same drafts as drafting the prefix
-alone, at more cost: the choice is how far to draft, made before drafting.
+MTP and EAGLE-3 draft token by token and DSpark as a causal block (docs/design.md §6: its first
+``n`` rows are exactly the block truncated), so drafting the whole block and verifying a prefix
+of it would give the same drafts as drafting the prefix alone, at more cost: the choice is how
+far to draft. DFlash's block is non-causal and always runs whole (``propose(n)`` returns its
+first ``n`` drafts): there the choice is the prefix verified. Either way it is made before
+drafting, from the estimates, and the cost curve prices each kind as it drafts.
 
 ``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
 the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, measured on
