@@ -72,8 +72,8 @@ def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> tuple:
 
 
 def measured_curve(target, drafter) -> length.Curve:
-    """This pair's :class:`~.length.Curve`: measured on the first call and kept on the drafter (it is
-    the drafter's and its target's cost on this machine, not a request's), so what every
+    """This pair's :class:`~.length.Curve`: measured on the first call and kept on the drafter
+    (it is the drafter's and its target's cost on this machine, not a request's), so what every
     request's rounds measure refreshes it for the next."""
     curve = getattr(drafter, "_auto_curve", None)
     if curve is None:

@@ -14,12 +14,12 @@ first ``n`` drafts): there the choice is the prefix verified. Either way it is m
 drafting, from the estimates, and the cost curve prices each kind as it drafts.
 
 ``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
-the target's verify of ``n + 1`` tokens, each evaluated), over one serial step, measured on
+the target's verify of ``n + 1`` tokens, one graph as the loop's), over one serial step, measured on
 a scratch session when the pair first runs "auto" (costs.py's ``measured_curve``, kept on the
 drafter: a property of this target, drafter and machine, shared by its requests), then
-refreshed by every round the loop runs (a median per length; lengths not run lately follow the measured ones by
-their offset from the load-time curve, so a longer context or a round's own overhead moves
-them too).
+refreshed by every round the loop runs (a median per length; lengths not run lately follow
+the measured ones by their offset from the load-time curve, so a longer context or a round's
+own overhead moves them too).
 Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
 that is run is measured, so a curve that over-prices longer rounds is corrected that way."""
 
