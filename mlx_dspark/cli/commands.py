@@ -17,9 +17,9 @@ from ..stats import format_stats
 from ..request import AUTO_DRAFT, MODES, RequestError, check_sampling
 from .common import (CatchInterrupt, CommandError, PrefillMeter, _at_least, _positive,
                      add_model_arguments, add_num_draft_argument, add_sampling_arguments,
-                     add_scheme_argument,
-                     add_stats_argument, add_system_prompt_argument, add_template_arguments,
-                     flag_error, load_pair, request_options, require_chat_template, utf8_text)
+                     add_scheme_argument, add_stats_argument, add_system_prompt_argument,
+                     add_template_arguments, flag_error, load_pair, request_options,
+                     require_chat_template, utf8_text)
 
 
 # ---------------------------------------------------------------------------------------------
