@@ -19,7 +19,8 @@ from typing import Iterator
 
 from .checkpoint.integrity import check_level
 from .decode.session import Session
-from .request import AUTO_DRAFT, Request, RequestError, Thinking, speculative_mode, split_stops
+from .decode.warm import warm_up  # noqa: F401 (public: load(warm=True), the CLI)
+from .request import Request, RequestError, Thinking, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
@@ -241,32 +242,6 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     if warm:
         warm_up(pair)
     return pair
-
-
-def warm_up(pair: Pair, num_draft: int | str = 3):
-    """Run every kernel a generation runs once, on a throwaway session: serial steps, and
-    rounds of ``num_draft`` drafts (at most the drafter's; "auto": every length, measuring
-    the cost curve the length is chosen on, decode/length.py). MLX compiles a kernel on its
-    first use (on the CPU backend, into a disk cache: about 50 s on a fresh 2-core machine,
-    once); done here, that cost never lands in a generation's timings or in the
-    break-even controller's estimates. Forced modes: the pair's learned controller is not
-    touched."""
-    from .decode import length
-    from .decode.loop import decode
-
-    prompt = [0, 1]
-    modes = ["off"] if pair.drafter is None else ["off", "on"]
-    longest = 1
-    if pair.drafter is not None:
-        longest = length.longest(pair.drafter) if num_draft == AUTO_DRAFT \
-            else min(num_draft, pair.drafter.max_draft)
-        num_draft = num_draft if num_draft == AUTO_DRAFT else longest
-    for mode in modes:
-        session = Session(pair.target, pair.drafter if mode == "on" else None)
-        for _ in decode(session, Request(prompt, max_tokens=longest + 3,
-                                         num_draft=num_draft if mode == "on" else 1,
-                                         speculative=mode)):
-            pass
 
 
 def kernel_cache_cold() -> bool:
