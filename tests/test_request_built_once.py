@@ -42,9 +42,9 @@ def seen(engine, monkeypatch):
         record["queued"].append(job.request)
         submit(job)
 
-    def decoded(session, request, stats=None):
+    def decoded(session, request, stats=None, progress=None):
         record["decoded"].append(request)
-        return decode(session, request, stats)
+        return decode(session, request, stats, progress)
 
     monkeypatch.setattr(Request, "__post_init__", made)
     monkeypatch.setattr(engine, "submit", queued)
