@@ -67,6 +67,8 @@ def dequantized_state_dict(export_dir, config):
     flat = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
+        if name.startswith("mtp."):  # the MTP block (step 8) is no part of the transformers model
+            continue
         if leaf in ("weight_scale", "weight_scale_2", "input_scale"):
             continue
         if leaf == "weight" and t.dtype == torch.uint8:

@@ -7,7 +7,12 @@ model.safetensors is checked against the SHA-256 that the conversion receipt rec
 source file, so the drafter (step 5) is trained against exactly the weights that ship.
 
     /work/venv-fx/bin/python training/recover_target.py   # mlx_dspark/demo/target -> training/work/target_nvfp4
+    /work/venv-fx/bin/python training/recover_target.py --drafter   # demo/drafter -> work/drafter_nvfp4
+
+The second form rebuilds step 5b's packed drafter the same way (train_drafter.py --init starts
+from it).
 """
+import argparse
 import hashlib
 import json
 import re
@@ -19,10 +24,10 @@ from mlx_dspark.converter.layout import load_receipt
 
 from data import HERE, WORK
 
-DEMO = HERE.parent / "mlx_dspark" / "demo" / "target"
-OUT = WORK / "target_nvfp4"
+KINDS = {"target": ("target", "target_nvfp4"), "drafter": ("drafter", "drafter_nvfp4")}
 # Keys `mlx-dspark convert` adds to config.json; everything else is the source's.
 CONVERTER_KEYS = ("hybrid_override_pattern", "quantization")
+MTP_FILE = "model-mtp.safetensors"   # train_mtp.py (step 8) writes the block there
 STACKED = re.compile(r"(.*\.experts)\.(\w+_proj)\.(weight|scales|weight_scale_2)$")
 
 
@@ -41,26 +46,38 @@ def source_name_and_tensor(name, t):
 
 
 def main():
-    receipt = load_receipt(DEMO)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafter", action="store_true", help="the DSpark drafter instead of the target")
+    demo, out = KINDS["drafter" if ap.parse_args().drafter else "target"]
+    recover(HERE.parent / "mlx_dspark" / "demo" / demo, WORK / out)
+
+
+def recover(demo, out):
+    receipt = load_receipt(demo)
     if receipt is None:
-        raise SystemExit(f"{DEMO}: no conversion receipt, so nothing to check the rebuilt export against")
-    want = receipt["source"]["files"]["model.safetensors"]["sha256"]
-    tensors = {}
-    for name, t in load_file(DEMO / "model.safetensors").items():
-        tensors.update(source_name_and_tensor(name, t))
-    shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir(parents=True)
-    save_file(tensors, OUT / "model.safetensors", metadata={"format": "pt"})
-    got = hashlib.sha256((OUT / "model.safetensors").read_bytes()).hexdigest()
-    config = json.loads((DEMO / "config.json").read_text())
+        raise SystemExit(f"{demo}: no conversion receipt, so nothing to check the rebuilt export against")
+    files = {}   # the export's file -> its tensors; train_mtp.py's block was a second file
+    for name, t in load_file(demo / "model.safetensors").items():
+        file = MTP_FILE if name.startswith("mtp.") else "model.safetensors"
+        files.setdefault(file, {}).update(source_name_and_tensor(name, t))
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for file, tensors in files.items():
+        save_file(tensors, out / file, metadata={"format": "pt"})
+    config = json.loads((demo / "config.json").read_text())
     for key in CONVERTER_KEYS:
-        config.pop(key)
-    (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(DEMO / f, OUT / f)
-    print(f"{len(tensors)} tensors; model.safetensors sha256 {got}")
-    if got != want:
-        raise SystemExit(f"{OUT / 'model.safetensors'}: sha256 {got} differs from the receipt's source {want}")
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+              "hf_quant_config.json"):
+        if (demo / f).exists():
+            shutil.copy(demo / f, out / f)
+    for file, tensors in files.items():
+        want = receipt["source"]["files"][file]["sha256"]
+        got = hashlib.sha256((out / file).read_bytes()).hexdigest()
+        print(f"{file}: {len(tensors)} tensors, sha256 {got}")
+        if got != want:
+            raise SystemExit(f"{out / file}: sha256 {got} differs from the receipt's source {want}")
     print("identical to the source the receipt recorded")
 
 

@@ -1,0 +1,134 @@
+"""Step 3c: tune the target to answer chat-formatted code tasks (issue 33).
+
+The target was trained on raw source files only, so a chat-templated prompt (what `generate`
+and `chat` send by default) is text it never saw and it answers with symbol runs. This
+fine-tune starts from the shipped target's exported weights (NVFP4, dequantized: step 4r) and
+alternates two kinds of step, with an optional third:
+
+  even: chat tasks (chat_data.py): the user turn and template are context, the loss is the
+        next-token cross-entropy of the assistant's answer and its eos;
+  odd:  plain likelihood on corpus windows, so ordinary completion keeps its perplexity;
+  every --ul-every-th (0: none): sequence-level unlikelihood (tune_target.py's) on the model's own greedy answers to
+        chat tasks, up to their eos: it lowers each token that completes a 4-gram already
+        present, so the answers that still loop stop doing so.
+
+Constant LR 3e-4 (tune_target.py's), fixed seeds; checkpoints every CKPT_EVERY steps and
+resumes. Writes training/work/target_tuned_hf (then step 4, export_target.py, as before).
+
+    TRAIN_THREADS=1 .venv-train/bin/python training/tune_chat.py --steps 600
+"""
+import argparse
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import chat_data
+from common import THREADS, batch, resume, save_target, tokens
+from data import WORK
+from export_target import load_dequantized
+from tune_target import repeated_ngram_mask
+
+SEED = 9753
+BATCH = 8
+UL_BATCH = 4
+UL_TOKENS = 128
+LR = 3e-4
+CKPT_EVERY = 50
+CKPT = WORK / "target_chat_ckpt.pt"
+OUT = WORK / "target_tuned_hf"
+
+
+def chat_batch(split, step, n=BATCH):
+    """Padded rows of n chat examples; labels -100 on the prompt and the padding."""
+    examples = [chat_data.example(split, step * n + i) for i in range(n)]
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    labels = torch.full((n, width), -100)
+    for r, (p, a) in enumerate(examples):
+        ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+        labels[r, len(p):len(p) + len(a)] = torch.tensor(a)
+    return ids, labels
+
+
+def answer_loss(model, ids, labels):
+    logits = model(ids[:, :-1]).logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def unlikelihood(model, step):
+    """-log(1 - p) at each token of the model's greedy answer that repeats a 4-gram."""
+    prompts = [chat_data.example("train", 10**6 + step * UL_BATCH + i)[0] for i in range(UL_BATCH)]
+    eos = chat_data.tokenizer().eos_token_id
+    model.eval()
+    seqs = []
+    with torch.no_grad():
+        for p in prompts:  # one at a time: no left padding for the recurrent layers
+            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=UL_TOKENS, do_sample=False,
+                                       pad_token_id=0, eos_token_id=eos)[0, len(p):])
+    model.train()
+    total, count, bad_n = 0.0, 0, 0
+    for p, cont in zip(prompts, seqs):
+        cont = cont.tolist()
+        if eos in cont:
+            cont = cont[:cont.index(eos) + 1]
+        seq = torch.tensor([p + cont])
+        bad = repeated_ngram_mask(seq, len(p))[:, 1:]
+        if not bad.any():
+            count += len(cont)
+            continue
+        prob = F.softmax(model(seq[:, :-1]).logits.float(), -1).gather(-1, seq[:, 1:, None])[..., 0]
+        total = total - (torch.log((1 - prob).clamp_min(1e-5)) * bad).sum()
+        count += len(cont)
+        bad_n += int(bad.sum())
+    return total / max(count, 1), bad_n / max(count, 1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--ul-every", type=int, default=0, help="every n-th step an unlikelihood one")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(SEED)
+    stream = tokens("train")
+    model = load_dequantized()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    step = resume(CKPT, model, opt)
+    t0 = time.time()
+    while step < args.steps:
+        rep = None
+        if args.ul_every and step % args.ul_every == args.ul_every - 1:
+            loss, rep = unlikelihood(model, step)
+        elif step % 2:
+            x = batch(stream, step, BATCH, SEED)
+            loss = model(x[:, :-1], labels=x[:, :-1].clone()).loss
+        else:
+            loss = answer_loss(model, *chat_batch("train", step))
+        opt.zero_grad(set_to_none=True)
+        if loss.requires_grad:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        step += 1
+        if step % 20 == 1:
+            with torch.no_grad():
+                model.eval()
+                held = answer_loss(model, *chat_batch("heldout", 0, 16)).item()
+                model.train()
+            print(f"step {step} chat loss {loss.item():.3f} held-out chat loss {held:.3f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+        if rep is not None:
+            print(f"step {step} unlikelihood {float(loss):.4f} repeated share {rep:.3f}", flush=True)
+        if step % CKPT_EVERY == 0 or step == args.steps:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, CKPT)
+    save_target(model, OUT, {"chat_tune_steps": step, "lr": LR, "batch": BATCH,
+                             "ul_every": args.ul_every, "ul_batch": UL_BATCH, "ul_tokens": UL_TOKENS,
+                             "heldout_chat_loss": answer_loss(model.eval(), *chat_batch("heldout", 0, 16)).item()})
+
+
+if __name__ == "__main__":
+    main()
