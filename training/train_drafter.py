@@ -22,6 +22,7 @@ import json
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,11 +45,11 @@ LR = 2e-3
 WARMUP = 50
 CKPT_EVERY = 50
 CKPT = WORK / "drafter_ckpt.pt"
-TAPS = WORK / f"drafter_taps_{N_WINDOWS}.pt"
 OUT = WORK / "drafter_torch"
-N_GENERATED = 3072     # windows of target-generated text (see generated_windows)
+N_GENERATED = 3072     # windows of target-generated text (see generated_windows; --generated)
 GEN_PREFIX = 96        # corpus tokens before the target's greedy continuation
-GEN = WORK / f"drafter_generated_{N_GENERATED}.pt"
+N_CHAT = 64            # windows of the target's greedy chat answers (greedy_windows.py)
+CHAT_ROWS = 1          # of every batch, with --chat
 
 
 LAYERS = 2
@@ -83,38 +84,40 @@ def target_logits_from_taps(target, taps):
     return target.lm_head(target.model.norm_f(taps[..., -h:]))
 
 
-def cached_windows(target):
-    if TAPS.exists():
-        return torch.load(TAPS)
+def cached_windows(target, n_windows=N_WINDOWS):
+    path = WORK / f"drafter_taps_{n_windows}.pt"
+    if path.exists():
+        return torch.load(path)
     stream = tokens("train")
     g = np.random.default_rng(SEED)
-    starts = g.integers(0, len(stream) - SEQ_LEN - 1, size=N_WINDOWS)
+    starts = g.integers(0, len(stream) - SEQ_LEN - 1, size=n_windows)
     ids = torch.from_numpy(np.stack([stream[s:s + SEQ_LEN] for s in starts]))
     taps = []
     t0 = time.time()
-    for i in range(0, N_WINDOWS, 8):
+    for i in range(0, n_windows, 8):
         taps.append(target_taps(target, ids[i:i + 8])[0])
-        print(f"taps {i + 8}/{N_WINDOWS} {time.time() - t0:.0f}s", flush=True)
+        print(f"taps {i + 8}/{n_windows} {time.time() - t0:.0f}s", flush=True)
     data = {"ids": ids, "taps": torch.cat(taps)}
-    torch.save(data, TAPS)
+    torch.save(data, path)
     return data
 
 
-def generated_windows(target):
+def generated_windows(target, n_generated):
     """Windows whose tail is the target's own greedy continuation of a corpus prefix, with taps.
 
     Greedy speculation drafts against exactly such text (a small model's greedy output is
     far more repetitive than the corpus), so part of every batch comes from here, the way
     DSpark/DFlash drafters train on target-regenerated data."""
-    if GEN.exists():
-        return torch.load(GEN)
+    gen = WORK / f"drafter_generated_{n_generated}.pt"
+    if gen.exists():
+        return torch.load(gen)
     stream = tokens("train")
     g = np.random.default_rng(SEED + 1)
-    starts = g.integers(0, len(stream) - GEN_PREFIX, size=N_GENERATED)
+    starts = g.integers(0, len(stream) - GEN_PREFIX, size=n_generated)
     prefixes = torch.from_numpy(np.stack([stream[s:s + GEN_PREFIX] for s in starts]))
     ids, taps = [], []
     t0 = time.time()
-    for i in range(0, N_GENERATED, 32):
+    for i in range(0, n_generated, 32):
         x = prefixes[i:i + 32]
         with torch.no_grad():
             out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
@@ -122,9 +125,24 @@ def generated_windows(target):
                                   pad_token_id=0)
         ids.append(out)
         taps.append(target_taps(target, out)[0])
-        print(f"generated {i + len(x)}/{N_GENERATED} {time.time() - t0:.0f}s", flush=True)
+        print(f"generated {i + len(x)}/{n_generated} {time.time() - t0:.0f}s", flush=True)
     data = {"ids": torch.cat(ids), "taps": torch.cat(taps)}
-    torch.save(data, GEN)
+    torch.save(data, gen)
+    return data
+
+
+def chat_windows(target, n):
+    """The target's greedy answers to chat tasks (greedy_windows.py, made by the runtime from
+    the converted target), with their taps: what the drafter drafts against in `chat`."""
+    import greedy_windows
+
+    path = WORK / f"drafter_chat_{n}_{greedy_windows.target_key()}.pt"
+    if path.exists():
+        return torch.load(path)
+    ids = torch.from_numpy(greedy_windows.windows("chat", n))
+    data = {"ids": ids, "taps": torch.cat([target_taps(target, ids[i:i + 8])[0]
+                                           for i in range(0, n, 8)])}
+    torch.save(data, path)
     return data
 
 
@@ -154,14 +172,22 @@ def dspark_loss(drafter, target, ids, taps, anchors, n):
     return loss, agree
 
 
-def lr_at(step, total):
+def lr_at(step, total, lr=LR):
     if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP))))
+        return lr * (step + 1) / WARMUP
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP))))
 
 
-def make_drafter(target, tok_mask_id, layers, intermediate):
+def make_drafter(target, tok_mask_id, layers, intermediate, init=None):
+    """A fresh drafter, or (``init``: a packed drafter folder) the shipped one, dequantized,
+    to fine-tune against a tuned target."""
     torch.manual_seed(SEED)
+    if init is not None:
+        from eval_drafter import load_packed_drafter
+
+        d = load_packed_drafter(Path(init)).train()
+        d.embed_tokens.weight.requires_grad_(False)
+        return d
     d = DSparkDrafter(drafter_config(target.config, tok_mask_id, layers, intermediate))
     for name, p in d.named_parameters():
         if p.dim() >= 2:
@@ -185,14 +211,22 @@ def main():
     ap.add_argument("--stop-at", type=int, default=None, help="end early at this checkpointed step")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--intermediate", type=int, default=INTERMEDIATE)
+    ap.add_argument("--windows", type=int, default=N_WINDOWS, help="corpus windows")
+    ap.add_argument("--generated", type=int, default=N_GENERATED, help="target-generated windows")
+    ap.add_argument("--chat", action="store_true",
+                    help=f"one row of every batch from {N_CHAT} greedy chat-answer windows")
+    ap.add_argument("--init", metavar="DIR", help="fine-tune this packed drafter "
+                    "(recover_target.py --drafter rebuilds the shipped one)")
+    ap.add_argument("--lr", type=float, default=LR)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     target = load_dequantized()
     for p in target.parameters():
         p.requires_grad_(False)
-    data = cached_windows(target)
-    gen = generated_windows(target)
-    drafter = make_drafter(target, mask_token_id(), args.layers, args.intermediate)
+    data = cached_windows(target, args.windows)
+    gen = generated_windows(target, args.generated)
+    chat = chat_windows(target, N_CHAT) if args.chat else None
+    drafter = make_drafter(target, mask_token_id(), args.layers, args.intermediate, args.init)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     step = resume(CKPT, drafter, opt)
@@ -202,13 +236,17 @@ def main():
         g = np.random.default_rng([SEED, step])
         # Mostly the target's own greedy continuations (what greedy speculation drafts
         # against), plus corpus text.
-        rows = torch.from_numpy(g.choice(N_WINDOWS, CORPUS_ROWS, replace=False))
-        grows = torch.from_numpy(g.choice(N_GENERATED, BATCH - CORPUS_ROWS, replace=False))
-        ids = torch.cat([data["ids"][rows], gen["ids"][grows]])
-        taps = torch.cat([data["taps"][rows], gen["taps"][grows]])
+        rows = torch.from_numpy(g.choice(args.windows, CORPUS_ROWS, replace=False))
+        n_gen = BATCH - CORPUS_ROWS - (CHAT_ROWS if chat else 0)
+        grows = torch.from_numpy(g.choice(args.generated, n_gen, replace=False))
+        parts = [(data, rows), (gen, grows)]
+        if chat:
+            parts.append((chat, torch.from_numpy(g.choice(N_CHAT, CHAT_ROWS, replace=False))))
+        ids = torch.cat([src["ids"][r] for src, r in parts])
+        taps = torch.cat([src["taps"][r] for src, r in parts])
         anchors = torch.from_numpy(np.sort(g.choice(np.arange(1, SEQ_LEN - N_TRAIN), ANCHORS, replace=False)))
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, args.steps)
+            grp["lr"] = lr_at(step, args.steps, args.lr)
         loss, agree = dspark_loss(drafter, target, ids, taps, anchors, N_TRAIN)
         opt.zero_grad(set_to_none=True)
         loss.backward()
