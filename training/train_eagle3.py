@@ -6,10 +6,11 @@ over ``[input_layernorm(embed(t_{p+1})) ; hidden_norm(g_p)]`` (4 heads x 48, 2 K
 10000, SwiGLU 512), ``norm`` and an ``lm_head`` over the full vocabulary (``d2t`` all zero); the
 embedding is the target's (not saved: the runtime borrows it). Features and objective as for
 the MTP block (train_mtp.py: the MLX runtime's taps, the target's own next-next-token
-distribution), one drafting step; ``lm_head`` starts from the target's, ``norm`` from
-``norm_f``.
+distribution), trained over K drafting steps (``--ttt``, training-time test: steps after the
+first take the layer's own output, as drafting does, train_mtp.unroll); ``lm_head`` starts from
+the target's, ``norm`` from ``norm_f`` (or all from an exported head, ``--init``).
 
-    TRAIN_THREADS=1 .venv/bin/python training/train_eagle3.py --steps 700 --windows 192
+    TRAIN_THREADS=1 .venv-train/bin/python training/train_eagle3.py --ttt 3 --steps 700 --windows 192
     mlx-dspark convert training/work/eagle3_export -o mlx_dspark/demo/eagle3
 """
 import json
@@ -21,18 +22,18 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from data import WORK
-from train_mtp import SEED, arguments, features, fit, rms
+from train_mtp import SEED, arguments, features, fit, held_out, rms, start_from, training_windows
 
 TAPS = [1, 3, 5]
 HEADS, KV, HD, INTER = 4, 2, 48, 512
 OUT = WORK / "eagle3_export"
 
 
-def rope(x, theta=10000.0):
-    """x [B, heads, T, d] at positions 0..T-1 (rotate-half)."""
+def rope(x, pos0=0, theta=10000.0):
+    """x [B, heads, T, d] at positions pos0..pos0+T-1 (rotate-half)."""
     d, t = x.shape[-1], x.shape[-2]
     freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = torch.arange(t, dtype=torch.float32)[:, None] * freq[None]
+    ang = torch.arange(pos0, pos0 + t, dtype=torch.float32)[:, None] * freq[None]
     cos, sin = ang.cos(), ang.sin()
     a, b = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
@@ -64,34 +65,44 @@ class Eagle3(torch.nn.Module):
         self.lm_head = P(arr(head.weight if not hasattr(head, "dequantized") else head.dequantized()))
         self.embed = arr(target.embeddings)
 
-    def forward(self, next_ids, taps):
-        b, n, _ = taps.shape
-        gfeat = taps @ self.fc.T
+    def first(self, taps):
+        """Step 1's ``g``: fc over the target's taps (later steps get the layer's output)."""
+        return taps @ self.fc.T
+
+    def qkv(self, next_ids, g, pos0):
+        """The rows ``(g, x)`` and their attention's q, k, v (RoPE at positions pos0..;
+        K/V repeated over the query heads)."""
+        b, n, _ = g.shape
         x = torch.cat([rms(self.embed[next_ids], self.input_layernorm, 1e-6),
-                       rms(gfeat, self.hidden_norm, 1e-6)], -1)
-        q = rope((x @ self.q.T).view(b, n, HEADS, HD).transpose(1, 2))
-        k = rope((x @ self.k.T).view(b, n, KV, HD).transpose(1, 2))
+                       rms(g, self.hidden_norm, 1e-6)], -1)
+        q = rope((x @ self.q.T).view(b, n, HEADS, HD).transpose(1, 2), pos0)
+        k = rope((x @ self.k.T).view(b, n, KV, HD).transpose(1, 2), pos0)
         v = (x @ self.v.T).view(b, n, KV, HD).transpose(1, 2)
         rep = HEADS // KV
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                           v.repeat_interleave(rep, 1), is_causal=True)
-        r = gfeat + o.transpose(1, 2).reshape(b, n, -1) @ self.o.T
+        return g, q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    def finish(self, g, o):
+        """-> (``out``: the next step's ``g``, before ``norm``; the logits)."""
+        b, n, _ = g.shape
+        r = g + o.transpose(1, 2).reshape(b, n, -1) @ self.o.T
         m = rms(r, self.post_attention_layernorm, 1e-6)
         out = r + (F.silu(m @ self.gate.T) * (m @ self.up.T)) @ self.down.T
-        return rms(out, self.norm, 1e-6) @ self.lm_head.T
+        return out, rms(out, self.norm, 1e-6) @ self.lm_head.T
+
+    def named(self) -> dict:
+        """The head's tensors by their export names (SpecForge's)."""
+        m = "midlayer"
+        return {"fc.weight": self.fc, f"{m}.input_layernorm.weight": self.input_layernorm,
+                f"{m}.hidden_norm.weight": self.hidden_norm,
+                f"{m}.post_attention_layernorm.weight": self.post_attention_layernorm,
+                f"{m}.self_attn.q_proj.weight": self.q, f"{m}.self_attn.k_proj.weight": self.k,
+                f"{m}.self_attn.v_proj.weight": self.v, f"{m}.self_attn.o_proj.weight": self.o,
+                f"{m}.mlp.gate_proj.weight": self.gate, f"{m}.mlp.up_proj.weight": self.up,
+                f"{m}.mlp.down_proj.weight": self.down, "norm.weight": self.norm,
+                "lm_head.weight": self.lm_head}
 
     def export(self, vocab: int, hidden: int):
-        bf = torch.bfloat16
-        m = "midlayer"
-        t = {"fc.weight": self.fc, f"{m}.input_layernorm.weight": self.input_layernorm,
-             f"{m}.hidden_norm.weight": self.hidden_norm,
-             f"{m}.post_attention_layernorm.weight": self.post_attention_layernorm,
-             f"{m}.self_attn.q_proj.weight": self.q, f"{m}.self_attn.k_proj.weight": self.k,
-             f"{m}.self_attn.v_proj.weight": self.v, f"{m}.self_attn.o_proj.weight": self.o,
-             f"{m}.mlp.gate_proj.weight": self.gate, f"{m}.mlp.up_proj.weight": self.up,
-             f"{m}.mlp.down_proj.weight": self.down, "norm.weight": self.norm,
-             "lm_head.weight": self.lm_head}
-        t = {k: v.detach().to(bf).contiguous() for k, v in t.items()}
+        t = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.named().items()}
         t["d2t"] = torch.zeros(vocab, dtype=torch.int64)
         t["t2d"] = torch.ones(vocab, dtype=torch.bool)
         OUT.mkdir(parents=True, exist_ok=True)
@@ -109,20 +120,22 @@ class Eagle3(torch.nn.Module):
                                "target; a demonstration model, not Nemotron",
         }
         (OUT / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        print(f"wrote {OUT}", flush=True)
 
 
 def main():
     args = arguments(__doc__)
     t0 = time.time()
-    ids, taps, top_p, top_i, target = features(args.windows, "train", TAPS)
-    hids, htaps, _, hi, _ = features(32, "heldout", TAPS)
-    print(f"features: {args.windows} + 32 held-out windows in {time.time() - t0:.0f} s", flush=True)
+    ids, taps, top_p, top_i, target = features(training_windows(args.windows, "train"), TAPS)
+    held = held_out(TAPS)
+    print(f"features: {args.windows} + 16 held-out windows in {time.time() - t0:.0f} s", flush=True)
     vocab, hidden = target.config.vocab_size, target.config.hidden_size
     model = Eagle3(target)
     del target
-    fit(model, list(model.parameters()), args, (ids, taps, top_p, top_i), (hids, htaps, hi), t0)
-    model.export(vocab, hidden)
-    print(f"wrote {OUT}")
+    if args.init:
+        start_from(model, args.init)
+    fit(model, list(model.parameters()), args, (ids, taps, top_p, top_i), held, t0,
+        lambda: model.export(vocab, hidden))
 
 
 if __name__ == "__main__":
