@@ -90,8 +90,9 @@ def _config(urls):
     return config
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def router(litellm, replicas):
+    # one per test: least-busy's in-flight counts and the session pins start empty
     config = _config(replicas)
     return litellm.Router(model_list=config["model_list"], **config["router_settings"])
 
@@ -143,21 +144,41 @@ def test_requests_reach_both_replicas_with_the_answers_each_gives_directly(route
 
 
 def test_a_session_stays_on_its_replica_and_its_prompt_cache(router, replicas, offline):
-    before = [_served(u) for u in replicas]
+    before = {u: _served(u) for u in replicas}
     messages = [{"role": "system", "content": "You complete Python code."},
                 {"role": "user", "content": "def fibonacci(n):"}]
-    cached = []
-    for turn in range(3):
-        r = router.completion(model="lightning", messages=messages, metadata={
-            "session_id": "conversation-1"}, extra_body={"cache_salt": "user-a"}, **GREEDY)
-        cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": f"Go on ({turn})."}]
-    delta = sorted(_served(u) - b for u, b in zip(replicas, before))
-    assert delta == [0, 3]                         # all three turns on one replica
+
+    def ask(messages, salt):
+        return router.acompletion(model="lightning", messages=messages, extra_body={
+            "cache_salt": salt}, metadata={"session_id": "conversation-1"}, **GREEDY)
+
+    async def conversation():
+        # a long request keeps one replica busy while the first turn is routed, so least-busy
+        # sends that turn to the other; later turns find both idle, where least-busy alone
+        # would take the first replica again: only the session pin keeps them where they were
+        busy = asyncio.create_task(router.acompletion(model="lightning", messages=[
+            {"role": "user", "content": "Write a long story."}], temperature=0, max_tokens=256))
+        await asyncio.sleep(0.3)
+        turns = []
+        for turn in range(3):
+            r = await ask(messages, "user-a")
+            turns.append(r)
+            messages.extend([{"role": "assistant", "content": r.choices[0].message.content},
+                             {"role": "user", "content": f"Go on ({turn})."}])
+            if turn == 0:
+                busy = await busy
+        return busy, turns
+
+    busy, turns = asyncio.run(conversation())
+    busy_url = busy._hidden_params["api_base"].removesuffix("/v1")
+    (session_url,) = set(replicas) - {busy_url}
+    assert {r._hidden_params["api_base"] for r in turns} == {session_url + "/v1"}
+    # the replicas' own counts say the same: one request on the busy one, three on the other
+    assert {u: _served(u) - before[u] for u in replicas} == {busy_url: 1, session_url: 3}
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in turns]
     assert cached[0] == 0 and min(cached[1:]) > 0, cached
     # the salt reaches the replica: another user's identical conversation finds nothing cached
-    r = router.completion(model="lightning", messages=messages[:-2], metadata={
-        "session_id": "conversation-1"}, extra_body={"cache_salt": "user-b"}, **GREEDY)
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    other = asyncio.run(ask(messages[:-2], "user-b"))
+    assert other._hidden_params["api_base"] == session_url + "/v1"
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert offline == []
