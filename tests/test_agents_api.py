@@ -290,27 +290,32 @@ def test_a_queued_stream_gets_message_start_once_its_prefix_is_restored(c):
 
 
 def test_a_client_that_leaves_stops_the_prefill_within_one_piece(monkeypatch):
-    """A long prompt is prefilled in pieces (message ends, every 4096 tokens); a job whose
-    client left stops at the next one, and a retry continues from the pieces done."""
+    """A long prompt is prefilled in pieces of a few hundred tokens, cut at the checkpoints
+    too (message ends, every 4096 tokens); a job whose client left stops after the piece it
+    is in, and a retry continues from the last checkpoint reached (the first message's end)."""
     from agent_helpers import fixture, replay
+    from mlx_dspark.prompt_cache.cache import CHECKPOINT_EVERY
     from mlx_dspark.testing.scripted import ScriptedTarget
     engine = scripted_engine(["Done."], cache_bytes=64 << 20)
-    pieces, real = [], ScriptedTarget.step
+    pieces, first, real = [], [], ScriptedTarget.step
 
     def step(self, tokens, cache, **kw):
         if tokens.size > 1:
             pieces.append(tokens.size)
-            engine._current.cancelled.set()         # the client leaves during the first
+            job = engine._current
+            first[:] = [min([b for b in job.boundaries if b > 0] + [CHECKPOINT_EVERY])]
+            if sum(pieces) >= first[0]:
+                job.cancelled.set()                 # the client leaves in this piece
         return real(self, tokens, cache, **kw)
     monkeypatch.setattr(ScriptedTarget, "step", step)
     request = fixture("claude_code")["requests"][0]
     served = client(engine)
     try:
         r = replay(served, request, stream=False)
-        assert len(pieces) == 1 and engine.cancelled == 1
+        assert sum(pieces) == first[0] and engine.cancelled == 1    # no piece after it
         assert r.status_code == 500 and "cancelled" in r.json()["error"]["message"]
         monkeypatch.setattr(ScriptedTarget, "step", real)
         again = replay(served, request, stream=False).json()
     finally:
         engine.stop()
-    assert again["usage"]["cache_read_input_tokens"] == pieces[0]
+    assert len(pieces) > 1 and again["usage"]["cache_read_input_tokens"] == first[0]

@@ -179,20 +179,22 @@ def test_thinking_is_reasoning_content_and_a_budget_lets_the_model_answer(demo, 
     messages = [{"role": "user", "content": "def parse_args(argv):"}]
     r = oai(demo).chat.completions.create(
         model=DEMO, messages=messages, max_tokens=30, temperature=0,
-        extra_body={**THINK, "thinking_token_budget": 5})
-    want = md.generate(pair, messages, max_tokens=30, thinking_token_budget=5,
+        extra_body={**THINK, "thinking_token_budget": 3})
+    # budget 3: the chat-tuned demo target closes its block by itself after 5 tokens (its
+    # '</think>'), so the budget closes it first (tests/test_reasoning.py)
+    want = md.generate(pair, messages, max_tokens=30, thinking_token_budget=3,
                        chat_template_kwargs={"enable_thinking": True})
     message = r.choices[0].message
-    assert message.model_extra["reasoning_content"] == want.reasoning
+    assert message.model_extra["reasoning_content"] == want.reasoning and want.reasoning
     assert message.content == want.text and want.text
     assert r.usage.completion_tokens == 30
-    assert 5 <= r.usage.completion_tokens_details.reasoning_tokens < 30
+    assert 3 <= r.usage.completion_tokens_details.reasoning_tokens < 30
 
 
 def test_thinking_that_fills_max_tokens_is_length_never_an_empty_answer(demo):
     r = oai(demo).chat.completions.create(
-        model=DEMO, messages=[{"role": "user", "content": "Think hard."}], max_tokens=8,
-        temperature=0, extra_body=THINK)
+        model=DEMO, messages=[{"role": "user", "content": "Think hard."}], max_tokens=4,
+        temperature=0, extra_body=THINK)       # 4: inside the demo target's 5-token close
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.message.content == ""
     assert choice.message.model_extra["reasoning_content"]
