@@ -213,7 +213,7 @@ def test_the_servers_template_args_are_a_default_a_request_overrides():
     proc, url = launch(["--chat-template-args", '{"enable_thinking": true}'],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        ask = dict(model=DEMO, messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+        ask = dict(model=DEMO, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         on = oai(url).chat.completions.create(**ask).choices[0].message
         off = oai(url).chat.completions.create(
             **ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
