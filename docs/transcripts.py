@@ -92,7 +92,11 @@ def blocks(doc: Path) -> list[Block]:
         if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
             raise ValueError(f"{doc}:{i + 1}: transcript {m.group(1)} must be followed by a "
                              f"fenced block")
-        end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
+        # CommonMark: the fence closes on a run of at least its backticks alone on a line, so a
+        # transcript whose output holds a ``` block is fenced with four
+        fence = re.match(r"`+", lines[i + 1]).group(0)
+        end = next((j for j in range(i + 2, len(lines))
+                    if re.fullmatch(fence + r"`*\s*", lines[j])), None)
         if end is None:
             raise ValueError(f"{doc}:{i + 2}: transcript {m.group(1)}: the fence never closes")
         block = Block(doc, m.group(1), flags, i + 2, end, lines[i + 2:end])

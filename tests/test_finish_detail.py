@@ -76,8 +76,15 @@ def test_the_server_keeps_length_and_says_context(client, monkeypatch, caplog):
     n = len(api.make_request(engine.pair, PROMPT).prompt)
     _limited(monkeypatch, engine.pair.target, n + 6)
     body = {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}
-    with caplog.at_level(logging.WARNING, logger="mlx_dspark.serve"):
-        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    # the handler on the logger itself: a server started earlier in this process (uvicorn's
+    # logging config) stops mlx_dspark's records from reaching the root logger's
+    logger = logging.getLogger("mlx_dspark.serve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlx_dspark.serve"):
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    finally:
+        logger.removeHandler(caplog.handler)
     assert (choice["finish_reason"], choice["finish_detail"]) == ("length", "context")
     assert any("context limit" in r.getMessage() for r in caplog.records)
     cut = client.post("/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
