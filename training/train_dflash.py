@@ -10,7 +10,10 @@ target's frozen lm_head. Block size 8 as in z-lab's and NVIDIA's checkpoints.
 Data, from the MLX runtime itself (the shipped NVFP4 target in fp32, what the drafter sees at
 inference): windows of 256 tokens whose last 160 are the target's own greedy continuation of a
 96-token corpus prefix (greedy speculation drafts against exactly such text), plus plain corpus
-windows; per window the taps and the target's top-16 next-token probabilities.
+windows (one target forward each, where a generated one costs a generation); per window the taps
+and the target's top-16 next-token probabilities. Each batch is half generated, half corpus.
+``--init`` starts from an earlier export: the demo head continues the head trained against the
+target the chat-tuned one was tuned from (that run's ``dflash_export`` kept as ``dflash_prev``).
 
 Objective: for each anchor ``P`` (bonus = the token at P, context = taps of positions < P) and
 block row k = 1..4 (rows 5..7 run, and are seen by the others, but carry no loss), cross-entropy of the drafter's row against the target's distribution for
@@ -18,13 +21,17 @@ position P+k (its top 16, renormalized), weighted exp(-(k-1)/2) (N = 3 is the us
 built for); 48 anchors per window, all blocks of a window in one attention call.
 
     .venv/bin/python training/data.py
-    TRAIN_THREADS=1 $FX training/train_dflash.py --steps 1200 --windows 64 --corpus 96
+    TRAIN_THREADS=1 $FX training/train_dflash.py --steps 1200 --windows 64 --corpus 96  # old target
+    mv training/work/dflash_export training/work/dflash_prev     # then, the chat-tuned target:
+    TRAIN_THREADS=1 $FX training/train_dflash.py --steps STEPS --windows 96 --corpus 256 \
+        --lr LR --init training/work/dflash_prev/model.safetensors
     PYTHONPATH=training $FX training/pack_dflash.py
     mlx-dspark convert training/work/dflash_nvfp4 -o mlx_dspark/demo/dflash
 
 ``$FX``: a Python with torch 2.13 and the runtime (this repo's .venv with torch installed, or a
 torch venv that adds .venv's site-packages).
 """
+import hashlib
 import json
 import math
 import time
@@ -32,14 +39,14 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from data import HERE, WORK
 from train_mtp import SEED, arguments
 
 DEMO = HERE.parent / "mlx_dspark" / "demo" / "target"
 OUT = WORK / "dflash_export"
-CACHE = WORK / "dflash_windows_{}.npz"
+CACHE = "dflash_{}.npz"               # keyed by the target's weights: a new target, new data
 SEQ, PREFIX, TOPK = 256, 96, 16
 TAPS, BLOCK, WINDOW = [1, 3, 5], 8, 128
 LAYERS, HEADS, KV, HD, INTER = 2, 4, 2, 48, 512
@@ -50,7 +57,8 @@ TRAIN_ROWS = 4           # rows 1..4 carry the loss (N = 3 is the use); 5..7 onl
 def windows(n: int, split: str, generated: bool):
     """``n`` windows through the shipped target (MLX, fp32): tokens [n, SEQ], taps [n, SEQ,
     3*hidden] (float16), the target's top-k next-token probabilities and ids [n, SEQ, k]."""
-    path = WORK / f"dflash_{split}_{n}_{int(generated)}.npz"
+    weights = hashlib.sha256((DEMO / "model.safetensors").read_bytes()).hexdigest()[:12]
+    path = WORK / CACHE.format(f"{split}_{n}_{int(generated)}_{weights}")
     if path.exists():
         d = np.load(path)
         return d["ids"], d["taps"], d["top_p"], d["top_i"]
@@ -169,8 +177,19 @@ class DFlash(torch.nn.Module):
             x = x + (F.silu(f @ m.gate.T) * (f @ m.up.T)) @ m.down.T
         return rms(x, self.norm)
 
+    def load(self, path):
+        """Start from an earlier export (``tensors``' names): a head trained against the target
+        this one was tuned from already knows most of the task."""
+        src = load_file(path)
+        for name, p in self.named_tensors().items():
+            p.data.copy_(src[name].float())
+
     def tensors(self) -> dict:
-        """z-lab's tensor names, BF16 (the runtime borrows the target's embedding and lm_head)."""
+        return {k: v.detach().to(torch.bfloat16).contiguous()
+                for k, v in self.named_tensors().items()}
+
+    def named_tensors(self) -> dict:
+        """z-lab's tensor names (the runtime borrows the target's embedding and lm_head)."""
         out = {"fc.weight": self.fc, "hidden_norm.weight": self.hidden_norm,
                "norm.weight": self.norm}
         names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -180,7 +199,7 @@ class DFlash(torch.nn.Module):
         for i, m in enumerate(self.layers):
             for short, long in names.items():
                 out[f"layers.{i}.{long}.weight"] = getattr(m, short)
-        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in out.items()}
+        return out
 
 
 def block_mask(anchors, seq):
@@ -239,15 +258,19 @@ def tokens_per_round(model, data, n=3, rounds_per_window=24):
 def main():
     args = arguments(__doc__, steps=1200, windows=64, batch=4, lr=2e-3, corpus=96)
     t0 = time.time()
-    parts = [windows(args.windows, "train", True), windows(args.corpus, "train", False)]
-    held = windows(16, "heldout", True)
-    data = [torch.tensor(np.concatenate([p[j] for p in parts]).astype(
-        [np.int64, np.float32, np.float32, np.int64][j])) for j in range(4)]
-    held = [torch.tensor(x.astype(t)) for x, t in
-            zip(held, [np.int64, np.float32, np.float32, np.int64])]
-    print(f"data: {len(data[0])} windows, {time.time() - t0:.0f} s", flush=True)
+    types = [np.int64, np.float32, np.float32, np.int64]
+    generated, corpus, held = (
+        [torch.tensor(x.astype(t)) for x, t in zip(part, types)]
+        for part in (windows(args.windows, "train", True), windows(args.corpus, "train", False),
+                     windows(16, "heldout", True)))
+    print(f"data: {len(generated[0])} generated + {len(corpus[0])} corpus windows, "
+          f"{time.time() - t0:.0f} s", flush=True)
     embed, lm_head, norm_f, tcfg = target_tensors()
     model = DFlash(embed, lm_head, norm_f)
+    if args.init:
+        model.load(args.init)
+        print(f"step 0: held-out greedy tokens/round at N=3 (replayed) "
+              f"{tokens_per_round(model, held):.3f}", flush=True)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = np.random.default_rng(SEED)
@@ -255,9 +278,15 @@ def main():
         lr = args.lr * min(1.0, step / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for group in opt.param_groups:
             group["lr"] = lr
-        rows = torch.tensor(g.integers(0, len(data[0]), args.batch))
+        # Half of each batch generated, half corpus, however many of each there are: the
+        # generated windows are the text greedy speculation drafts against, the corpus ones
+        # (one forward each, not a generation) add variety.
+        half = args.batch // 2
+        rows = [torch.tensor(g.integers(0, len(part[0]), n))
+                for part, n in ((generated, args.batch - half), (corpus, half))]
+        batch = [torch.cat([generated[j][rows[0]], corpus[j][rows[1]]]) for j in range(4)]
         anchors = torch.tensor(np.sort(g.choice(np.arange(1, SEQ - BLOCK), ANCHORS, replace=False)))
-        loss, agree = loss_and_agreement(model, *(d[rows] for d in data), anchors)
+        loss, agree = loss_and_agreement(model, *batch, anchors)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
