@@ -48,17 +48,19 @@ DEMO = HERE.parent / "mlx_dspark" / "demo" / "target"
 OUT = WORK / "dflash_export"
 CACHE = "dflash_{}.npz"               # keyed by the target's weights: a new target, new data
 SEQ, PREFIX, TOPK = 256, 96, 16
+SHORT = 8                # --short windows: a prompt-sized prefix, then 248 generated tokens
 TAPS, BLOCK, WINDOW = [1, 3, 5], 8, 128
 LAYERS, HEADS, KV, HD, INTER = 2, 4, 2, 48, 512
 ANCHORS, MASK_ID = 48, 6
 TRAIN_ROWS = 4           # rows 1..4 carry the loss (N = 3 is the use); 5..7 only attend
 
 
-def windows(n: int, split: str, generated: bool):
+def windows(n: int, split: str, prefix: int):
     """``n`` windows through the shipped target (MLX, fp32): tokens [n, SEQ], taps [n, SEQ,
-    3*hidden] (float16), the target's top-k next-token probabilities and ids [n, SEQ, k]."""
+    3*hidden] (float16), the target's top-k next-token probabilities and ids [n, SEQ, k].
+    ``prefix``: that many corpus tokens, then the target's greedy continuation; 0: corpus."""
     weights = hashlib.sha256((DEMO / "model.safetensors").read_bytes()).hexdigest()[:12]
-    path = WORK / CACHE.format(f"{split}_{n}_{int(generated)}_{weights}")
+    path = WORK / CACHE.format(f"{split}_{n}_{prefix}_{weights}")
     if path.exists():
         d = np.load(path)
         return d["ids"], d["taps"], d["top_p"], d["top_i"]
@@ -70,13 +72,13 @@ def windows(n: int, split: str, generated: bool):
     target = load_target(str(DEMO), dtype=mx.float32)
     tok = load_tokenizer(str(DEMO), target.config.vocab_size)
     text = (WORK / f"{split}.txt").read_text(encoding="utf-8")
-    rng = np.random.default_rng([SEED, n, len(split), int(generated)])
+    rng = np.random.default_rng([SEED, n, len(split), int(prefix > 0)])
     starts = rng.integers(0, len(text) - 64 * SEQ, size=n)
     ids, taps, top_p, top_i = [], [], [], []
     t0 = time.time()
     for w, s in enumerate(starts):
-        t = tok.encode(text[s:s + 16 * SEQ])[:PREFIX if generated else SEQ]
-        if generated:                      # the target's own greedy continuation
+        t = tok.encode(text[s:s + 16 * SEQ])[:prefix or SEQ]
+        if prefix:                      # the target's own greedy continuation
             cache = target.make_cache()
             logits, _ = target.step(mx.array([t]), cache, last_only=True)
             while len(t) < SEQ:
@@ -91,7 +93,7 @@ def windows(n: int, split: str, generated: bool):
         top_i.append(np.array(i).astype(np.int16))
         top_p.append(np.array(mx.take_along_axis(p, i, axis=-1)).astype(np.float16))
         if w % 64 == 63:
-            print(f"{split} windows ({'generated' if generated else 'corpus'}) {w + 1}/{n} "
+            print(f"{split} windows ({f'prefix {prefix}' if prefix else 'corpus'}) {w + 1}/{n} "
                   f"{time.time() - t0:.0f} s", flush=True)
     out = dict(ids=np.array(ids), taps=np.array(taps), top_p=np.array(top_p),
                top_i=np.array(top_i))
@@ -256,13 +258,14 @@ def tokens_per_round(model, data, n=3, rounds_per_window=24):
 
 
 def main():
-    args = arguments(__doc__, steps=1200, windows=64, batch=4, lr=2e-3, corpus=96)
+    args = arguments(__doc__, steps=1200, windows=64, batch=4, lr=2e-3, corpus=96, short=0)
     t0 = time.time()
     types = [np.int64, np.float32, np.float32, np.int64]
     generated, corpus, held = (
-        [torch.tensor(x.astype(t)) for x, t in zip(part, types)]
-        for part in (windows(args.windows, "train", True), windows(args.corpus, "train", False),
-                     windows(16, "heldout", True)))
+        [torch.tensor(np.concatenate(x).astype(t)) for x, t in zip(zip(*parts), types)]
+        for parts in ([windows(args.windows, "train", PREFIX)]
+                      + ([windows(args.short, "train", SHORT)] if args.short else []),
+                      [windows(args.corpus, "train", 0)], [windows(16, "heldout", PREFIX)]))
     print(f"data: {len(generated[0])} generated + {len(corpus[0])} corpus windows, "
           f"{time.time() - t0:.0f} s", flush=True)
     embed, lm_head, norm_f, tcfg = target_tensors()
