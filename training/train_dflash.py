@@ -11,7 +11,8 @@ Data, from the MLX runtime itself (the shipped NVFP4 target in fp32, what the dr
 inference): windows of 256 tokens whose last 160 are the target's own greedy continuation of a
 96-token corpus prefix (greedy speculation drafts against exactly such text), plus plain corpus
 windows (one target forward each, where a generated one costs a generation); per window the taps
-and the target's top-16 next-token probabilities. Each batch is half generated, half corpus.
+and the target's top-16 next-token probabilities; ``--short`` adds generated windows from an
+8-token prefix, as a prompt is. Each batch is half generated, half corpus.
 ``--init`` starts from an earlier export: the demo head continues the head trained against the
 target the chat-tuned one was tuned from (that run's ``dflash_export`` kept as ``dflash_prev``).
 
