@@ -32,7 +32,6 @@ built for); 48 anchors per window, all blocks of a window in one attention call.
 ``$FX``: a Python with torch 2.13 and the runtime (this repo's .venv with torch installed, or a
 torch venv that adds .venv's site-packages).
 """
-import hashlib
 import json
 import math
 import time
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from data import HERE, WORK
+from greedy_windows import target_key
 from train_mtp import SEED, arguments
 
 DEMO = HERE.parent / "mlx_dspark" / "demo" / "target"
@@ -60,8 +60,7 @@ def windows(n: int, split: str, prefix: int):
     """``n`` windows through the shipped target (MLX, fp32): tokens [n, SEQ], taps [n, SEQ,
     3*hidden] (float16), the target's top-k next-token probabilities and ids [n, SEQ, k].
     ``prefix``: that many corpus tokens, then the target's greedy continuation; 0: corpus."""
-    weights = hashlib.sha256((DEMO / "model.safetensors").read_bytes()).hexdigest()[:12]
-    path = WORK / CACHE.format(f"{split}_{n}_{prefix}_{weights}")
+    path = WORK / CACHE.format(f"{split}_{n}_{prefix}_{target_key()}")
     if path.exists():
         d = np.load(path)
         return d["ids"], d["taps"], d["top_p"], d["top_i"]
