@@ -95,7 +95,7 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_exit_130(command):
                                 stderr=subprocess.PIPE, text=True,
                                 env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"})
         proc.stdin.write(LONG + "\n")
-        proc.stdin.flush()
+        proc.stdin.close()      # the end of its input: chat, past a stopped message, exits
         _started(proc)
         rest = []               # read on, so that the child never waits on a full pipe
         reader = threading.Thread(target=lambda: rest.append(proc.stderr.read()))
