@@ -163,3 +163,20 @@ class ReferenceDrafter:
             out.append(prev)
             zs.append(z)
         return np.array(out), np.stack(zs)
+
+
+def assert_proposals_match(target, drafter, reference, tol: float):
+    """The drafter against its float64 ``reference`` on the target's real taps: a 19-token
+    prompt (past the drafters' windows) taken in as context in two pieces, then proposals of
+    1..7 tokens after a bonus: the same tokens, logits within ``tol`` of the reference's scale."""
+    import mlx.core as mx
+    prompt = mx.array([[(37 * i + 11) % 256 for i in range(19)]])
+    _, taps = target.step(prompt, target.make_cache(), tap_layers=drafter.target_layer_ids)
+    drafter.add_context(taps[:12], 0)
+    drafter.add_context(taps[12:], 12)
+    history = np.array(taps, dtype=np.float64)
+    for n in range(1, 8):
+        tokens, z = drafter.propose(200 + n, n)
+        want_tokens, want_z = reference.propose(history, 200 + n, n)
+        assert np.array(tokens).tolist() == want_tokens.tolist()
+        assert float(np.abs(np.array(z) - want_z).max() / np.abs(want_z).max()) < tol
