@@ -11,6 +11,7 @@ from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats, format_stats
+from loop_helpers import FixedCosts
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 
 
@@ -46,15 +47,31 @@ def pair():
 
 
 def test_auto_with_a_useless_drafter_ends_serial_and_counts_its_rounds_as_probes(pair):
+    # fixed costs (a round = 1.5 serial steps) so the machine's load cannot decide the mode
     ids = pair.tokenizer.encode("def fibonacci(n):\n")
     useless = OracleDrafter(ids, pair.target.config.vocab_size, acceptance=0.0,
                             inner=pair.drafter)
+    session = Session(pair.target, useless)
+    session.controller = FixedCosts(3, 1.5)
     stats = Stats()
-    list(decode(Session(pair.target, useless), Request(ids, max_tokens=200), stats))
+    list(decode(session, Request(ids, max_tokens=200, num_draft=3), stats))
     assert stats.mode == "serial" and stats.predicted_speedup < 1.0
     assert stats.rounds >= 1 and stats.probe_rounds == stats.rounds
     text = "\n".join(format_stats(stats))
     assert ", so serial" in text and "(probe round" in text
+
+
+def test_the_speedup_that_explains_serial_is_the_one_serial_was_decided_on():
+    # after the last probe, serial steps age its evidence back toward the prior, so a
+    # prediction recomputed at the end would read > 1 beside "so serial"
+    c = FixedCosts(3, 1.5)
+    c.observe_serial(1.0)
+    c.observe_round(1.5, 3, num_tested=1, num_accepted=0)
+    decided = c.decided
+    assert not c.speculating and decided < 1.0
+    for _ in range(100):
+        c.observe_serial(1.0)
+    assert c.predicted_speedup() > 1.0 > c.decided == decided
 
 
 def test_rounds_of_a_forced_run_are_never_probes(pair):

@@ -91,6 +91,10 @@ class Controller:
     tested: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     rounds: int = 0
+    # the predicted speedup as the latest round left it: what the current mode was decided on.
+    # predicted_speedup() recomputed later drifts back to the prior as serial steps age the
+    # evidence, so after a long serial stretch it would explain "serial" with a speedup > 1
+    decided: float | None = None
     _since: int = 0   # serial steps since the last probe, or rounds since the last refresh
 
     def __post_init__(self):
@@ -211,11 +215,11 @@ class Controller:
         if self.t_serial is not None and (num_drafted == self.num_draft
                                           or self.curve is not None):
             _push(self.round_ratios, seconds / self.t_serial)
+        speedup = self.decided = self.predicted_speedup()
         if self.mode != "auto":
             return
         if self.speculating:
             self._since += 1
-            speedup = self.predicted_speedup()
             if speedup is not None and speedup < OFF:
                 if self._since > 1:
                     self._since = REFRESH              # stale serial cost: refresh, then decide
@@ -224,7 +228,6 @@ class Controller:
                     self.probe_every = self._affordable(PROBE_MIN)
         else:
             self._since = 0
-            speedup = self.predicted_speedup()
             if speedup is None:
                 return
             if speedup > ON:

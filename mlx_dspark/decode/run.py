@@ -199,6 +199,6 @@ class Run:
     def note_mode(self):
         """After each step: what the controller is doing, and how often it switched."""
         self.stats.switches = self.control.switches - self.switches_before
-        self.stats.predicted_speedup = self.control.predicted_speedup()
+        self.stats.predicted_speedup = self.control.decided
         self.stats.mode = "speculative" if self.use_drafter and self.control.speculating \
             else "serial"
