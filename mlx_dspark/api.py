@@ -513,7 +513,7 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
         session = Session(pair.target, pair.drafter if request.speculative != "off" else None,
                           home=pair)
     stats = Stats()
-    return _chunks(pair, request, decode(session, request, stats, progress), stats)
+    return chunks(pair, request, decode(session, request, stats, progress), stats)
 
 
 def _cached(pair: Pair, request: Request, boundaries, progress) -> Iterator[Chunk]:
@@ -525,7 +525,10 @@ def _cached(pair: Pair, request: Request, boundaries, progress) -> Iterator[Chun
                                      request.prompt, boundaries)
 
 
-def _chunks(pair, request, tokens, stats) -> Iterator[Chunk]:
+def chunks(pair: Pair, request: Request, tokens: Iterator[int], stats: Stats) -> Iterator[Chunk]:
+    """The chunks of ``tokens``, the generation of ``request`` (decode's, or a batch row's
+    fed by the server's engine), whose ``stats`` stand as they did when each token came:
+    detokenized, stop strings cut, the thinking split off, one chunk per token."""
     stops, scanner = request.stop_tokens, StopScanner(request.stop_strings)
     detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:

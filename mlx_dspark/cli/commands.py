@@ -253,6 +253,10 @@ def run_bench(args: argparse.Namespace) -> int:
 # serve
 
 
+# serve's --max-batch: where the aggregate throughput of concurrent requests on the demo pair
+# measured highest (benchmarks/bench_max_batch.py, docs/serve.md "Many requests at once")
+MAX_BATCH = 4
+
 SERVE_HELP = ("an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, "
               "/v1/completions, /v1/responses, /v1/messages)")
 
@@ -268,8 +272,13 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="another name /v1/models lists for the model (a client that checks "
                         "its model name there finds it; any name a request gives is answered "
                         "anyway); repeatable")
+    p.add_argument("--max-batch", type=_at_least(1), default=MAX_BATCH, metavar="N",
+                   help="requests decoded together, each exactly as alone; a request with a "
+                        "thinking budget runs alone when it is next; 1: one at a time "
+                        f"(default {MAX_BATCH}: the highest aggregate throughput measured, "
+                        "docs/serve.md)")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
-                   help="requests that may wait while one generates; more get HTTP 503 "
+                   help="requests that may wait while the batch is full; more get HTTP 503 "
                         "(default 16)")
     p.add_argument("--prefix-cache-mb", type=_at_least(0), default=1024, metavar="MB",
                    help="memory for state snapshots a request can continue from (a chat's "
@@ -426,7 +435,8 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = Limits(read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                     max_connections=args.max_connections)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
-                    use_drafter=args.speculative != "off", store=disk_store_factory(args))
+                    use_drafter=args.speculative != "off", store=disk_store_factory(args),
+                    max_batch=args.max_batch)
     code = 0
     try:
         engine.start()      # loads the pair on the engine's thread; CommandError comes here

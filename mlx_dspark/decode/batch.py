@@ -22,7 +22,8 @@ import mlx.core as mx
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, constraint as constraints
-from .loop import _emit, _first, _serial, _speculate, pick, round_steps, undo_ahead
+from .loop import (_emit, _first, _serial, _speculate, first_steps, pick, round_steps,
+                   undo_ahead)
 from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
@@ -36,6 +37,9 @@ class Row:
 
     run: Run
     tokens: list[int] = field(default_factory=list)
+    # the stats as they stood as each of ``tokens`` was handed out (a consumer that streams
+    # the row sees what it would see alone: the count so far, the finish reason on the last)
+    seen: list[Stats] = field(default_factory=list)
     room: int | None = None
     error: Exception | None = None
 
@@ -58,24 +62,57 @@ class Batch:
         self.rows: list[Row] = []
 
     def add(self, session: Session, request: Request, stats: Stats | None = None) -> Row:
-        check(session, request)
+        row = self._start(session, request, stats)
+        self._emit(row, lambda: [_first(row.run)])
+        if not row.done:
+            self.rows.append(row)
+        return row
+
+    def join(self, session: Session, request: Request, stats: Stats | None = None,
+             progress=None):
+        """:meth:`add` with the prompt prefilled a piece per ``next()`` (a generator; the
+        request is checked at once): the caller steps the batch between pieces. It returns
+        the row, joined (or ended at its first token). ``progress``: the prefill's callback
+        (loop.prefill), which may raise to stop it between pieces."""
+        row = self._start(session, request, stats, progress)
+        return self._joined(row)
+
+    def _joined(self, row: Row):
+        try:
+            token = yield from first_steps(row.run)
+        except (NonFiniteLogits, StaleGenerator, RequestError) as e:
+            row.room, row.error = None, e
+            return row
+        self._emit(row, lambda: [token])
+        if not row.done:
+            self.rows.append(row)
+        return row
+
+    @staticmethod
+    def refusal(request: Request) -> RequestError | None:
+        """Why a batch does not take ``request`` (decode it alone), or None."""
         if budget.applies(request):
-            raise RequestError("thinking_token_budget", "a thinking budget is not decoded in "
-                                                        "a batch yet; decode it alone")
+            return RequestError("thinking_token_budget", "a thinking budget is not decoded "
+                                                         "in a batch yet; decode it alone")
+        return None
+
+    def _start(self, session: Session, request: Request, stats: Stats | None,
+               progress=None) -> Row:
+        """The row of ``request`` on ``session``, checked and started, not yet prefilled."""
+        check(session, request)
+        refused = self.refusal(request)
+        if refused is not None:
+            raise refused
         if self.rows and session.target is not self.rows[0].run.session.target:
             raise ValueError("every row of a batch decodes on one target")
         if any(r.run.session is session for r in self.rows):
             raise ValueError("this session already decodes a row of the batch")
         call = Call(session, constraints.of(request, session.target.config.vocab_size),
-                    Processors.of(request))
+                    Processors.of(request), progress=progress)
         undo_ahead(session)            # a suspended generator's step built ahead
         session.generation += 1
         call.generation = session.generation
-        row = Row(Run.start(call, request, stats if stats is not None else Stats()))
-        self._emit(row, lambda: [_first(row.run)])
-        if not row.done:
-            self.rows.append(row)
-        return row
+        return Row(Run.start(call, request, stats if stats is not None else Stats()))
 
     def remove(self, row: Row):
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
@@ -146,15 +183,16 @@ class Batch:
         """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
         would (loop._emit: stop tokens, max_tokens, the constraint advanced). A row whose step
         raises ends with that error."""
-        row.tokens = []
+        row.tokens, row.seen = [], []
         try:
             emit = _emit(row.run, out())
             while True:
                 row.tokens.append(next(emit))
+                row.seen.append(row.stats.snapshot())
         except StopIteration as end:
             row.room = end.value
-        except (NonFiniteLogits, StaleGenerator) as e:
-            row.room, row.error = None, e
+        except (NonFiniteLogits, StaleGenerator, RequestError) as e:   # RequestError: a
+            row.room, row.error = None, e                # grammar past llguidance's limits
 
 
 def _plan(row: Row) -> tuple[int, tuple]:

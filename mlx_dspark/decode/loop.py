@@ -33,8 +33,9 @@ import mlx.core as mx
 from .. import device
 from ..request import Request
 from ..stats import Stats
-from . import budget, constraint as constraints, pieces, sampling
+from . import budget, constraint as constraints, sampling
 from .draw import Draw
+from .prefill import prefill, prefill_steps, to_the_end  # noqa: F401 (prefill: public)
 from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
 from .sampling import constrain
@@ -43,34 +44,6 @@ from .session import Session
 
 # ---------------------------------------------------------------------------------------------
 # The steps
-
-
-def prefill(session: Session, prompt: list[int], tap: bool, progress=None) -> mx.array:
-    """Feed the prompt (or the part after the longest prefix the session holds, Session.reuse)
-    and return the last logits.
-
-    The prompt goes in pieces (pieces.py) that compute what one step over it computes, to the
-    bit: cut at the session's ``cuts`` (its ``checkpoints``, and before the last token when it
-    keeps that state; ``session.checkpoint`` runs there: a prompt cache snapshots it) and every
-    few hundred tokens. ``progress(done, total, seconds)`` hears of the start and each piece,
-    and may raise to stop there. The cuts depend on the prompt alone, so a run continued from
-    a checkpoint computes exactly what the cold run did."""
-    session.reuse(prompt)
-    cuts = session.cuts(prompt)
-    t0, report = time.perf_counter(), progress or (lambda *_: None)
-    report(len(session.tokens), len(prompt), 0.0)
-    for end in pieces.ends(len(session.tokens), cuts + [len(prompt)], session.target):
-        new = prompt[len(session.tokens):end]
-        logits, taps = session.target.step(mx.array([new]), session.cache,
-                                           tap_layers=session.tap_layers if tap else None,
-                                           last_only=True)
-        session.feed(new, taps)
-        if end < len(prompt) or progress is not None:   # done before the next (its memory
-            mx.eval(logits, taps, session.cache.arrays())   # freed), or before it is reported
-        if end in cuts:
-            session.checkpoint(prompt)
-        report(end, len(prompt), time.perf_counter() - t0)
-    return logits[0, -1]
 
 
 def pick(run: Run, logits: mx.array, position: int, before, allowed=None) -> mx.array:
@@ -209,11 +182,18 @@ def _decode(call: Call, request: Request, stats: Stats) -> Iterator[int]:
 
 def _first(run: Run) -> int:
     """Prefill the prompt and choose the first token (the first bonus)."""
+    return to_the_end(first_steps(run))
+
+
+def first_steps(run: Run):
+    """:func:`_first` in steps (a generator): it yields after each piece of the prefill but
+    the last (prefill.prefill_steps), and returns the first token."""
     session, stats, prompt = run.session, run.stats, list(run.request.prompt)
     t0 = time.perf_counter()
     stats.reused_tokens = session.reuse(prompt)
     stats.generated = 0
-    last = prefill(session, prompt, tap=run.tap, progress=run.call.progress)[None]
+    last = (yield from prefill_steps(session, prompt, tap=run.tap,
+                                     progress=run.call.progress))[None]
     token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0

@@ -1,55 +1,36 @@
-"""The engine of ``mlx-dspark serve``: one thread that owns the pair and its session and runs
-one generation at a time, first come first served.
+"""The engine of ``mlx-dspark serve``: one thread that owns the pair and its sessions and runs
+the generations, first come first served.
 
-A pair's session holds one target cache and one drafter cache, and MLX runs one stream of
-work; serving requests in turn keeps each generation exactly what ``generate()`` gives
-(batching several sequences into one forward is a later step). Every MLX call happens on this
-thread, loading included, so no lazy array crosses threads. The engine keeps session
-snapshots in a :class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``):
-taken at message ends and every few thousand tokens while prefilling and at the end of each
-prompt and answer, so a request that resends a conversation, or the same system prompt
-before another one, prefills only what is new."""
+With ``max_batch`` 1 it runs one generation at a time on one session. With more, up to
+``max_batch`` requests decode together (batching.py: each on a session of its own, its prompt
+prefilled in pieces beside the others' steps); a request a batch does not take (a thinking
+budget) runs alone when it is next, once the batch has emptied. Either way each generation is
+exactly what ``generate()`` gives it alone. Every MLX call happens on this thread, loading
+included, so no lazy array crosses threads. The engine keeps session snapshots in a
+:class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``): taken at message
+ends and every few thousand tokens while prefilling and at the end of each prompt and answer,
+so a request that resends a conversation, or the same system prompt before another one,
+prefills only what is new."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
-from dataclasses import dataclass, field
 
 from .. import api
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
-from ..request import NonFiniteLogits, Request, RequestError
+from ..request import NonFiniteLogits, RequestError
 from ..stats import format_progress
 from . import logprobs
 from .errors import ApiError
+from .job import CANCELLED, Job, Left
+
+__all__ = ["CANCELLED", "Engine", "Job"]
 
 log = logging.getLogger("mlx_dspark.serve")
-CANCELLED = "the request was cancelled (its client went away)"
 LOG_AFTER = 1.0     # a prefill that has taken this many seconds logs a line per piece
-
-
-@dataclass(eq=False)          # a job is itself: the queue finds it by identity
-class Job:
-    """One request on its way through the engine; on ``out`` come ``("started", reused
-    prompt tokens)`` when it leaves the queue, then its chunks (or an error)."""
-
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    boundaries: tuple = ()      # where the prompt's chat messages end (checkpoints)
-    space: str = ""             # whose snapshots it may use (API key and cache_salt, hashed)
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, kind: str, item):
-        """Hand ``(kind, item)`` to the handler; an "error" is the reason a generation failed
-        (a str) or a refusal of the request (an ApiError)."""
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, item))
-        except RuntimeError:        # the event loop is gone (shutdown): nobody is listening
-            self.cancelled.set()
 
 
 class Engine:
@@ -60,11 +41,15 @@ class Engine:
     ``store``: no reuse, every request is prefilled from scratch); ``store(pair, session)``,
     called on the thread once the pair is loaded, returns the on-disk store
     (prompt_cache.disk.PromptStore) or None; ``use_drafter`` False (a server that never
-    speculates) keeps the drafter out of the session, so no taps are collected."""
+    speculates) keeps the drafter out of the session, so no taps are collected;
+    ``max_batch`` requests decode together (batching.py; 1: one at a time), and
+    ``max_queue`` more may wait."""
 
     def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
-                 store=None):
+                 store=None, max_batch: int = 1):
         self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
+        self.max_batch = max_batch
+        self.rows = None            # the batch (batching.Rows) when max_batch > 1
         self._cache_bytes, self._store = cache_bytes, store
         self.cache: PromptCache | None = None
         self.pair = None
@@ -77,6 +62,8 @@ class Engine:
         self._current: Job | None = None
         # the running request's prefill, as /health shows it: {"done", "total", "seconds"}
         self.prefill: dict | None = None
+        # the batch, as /health shows it: {"size", "max", "rows": [each row's phase]}
+        self.batch: dict = {"size": 0, "max": max_batch, "rows": []}
         self.served = self.cancelled = 0    # generations finished, and stopped early
         self._thread = threading.Thread(target=self._main, name="mlx-dspark-engine",
                                         daemon=True)
@@ -92,7 +79,8 @@ class Engine:
         """End every request with an error event: the waiting ones never start, the running
         one stops at its next token (or its prefill's next piece)."""
         with self._lock:
-            jobs = [self._current, *self._waiting]
+            jobs = [self._current, *self._waiting,
+                    *(m.job for m in (list(self.rows.members) if self.rows else []))]
             self._active -= len(self._waiting)
             self._waiting.clear()
         for job in jobs:
@@ -133,8 +121,10 @@ class Engine:
 
     def submit(self, job: Job):
         with self._lock:
-            if self._active > self.max_queue:
-                raise ApiError(f"the server is busy: one generation is running and "
+            if self._active >= self.max_queue + self.max_batch:
+                running = "one generation is" if self.max_batch == 1 else \
+                    f"{self.max_batch} generations are"
+                raise ApiError(f"the server is busy: {running} running and "
                                    f"{self.max_queue} requests are waiting (--max-queue); "
                                    f"retry later", status=503, type="server_error",
                                    code="server_busy")
@@ -142,49 +132,83 @@ class Engine:
             self._waiting.append(job)
             self._lock.notify()
 
+    def new_session(self) -> Session:
+        return Session(self.pair.target, self.pair.drafter if self.use_drafter else None,
+                       home=self.pair)
+
     def _main(self):
         try:
             self.pair = self.load()
-            self.session = Session(self.pair.target,
-                                   self.pair.drafter if self.use_drafter else None,
-                                   home=self.pair)
+            self.session = self.new_session()
             store = self._store(self.pair, self.session) if self._store else None
             if self._cache_bytes > 0 or store is not None:
                 self.cache = PromptCache(self._cache_bytes, store)
+            if self.max_batch > 1:
+                from .batching import Rows
+                self.rows = Rows(self, self.max_batch)
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
             return
         finally:
             self._ready.set()
-        while (job := self._next()) is not None:
-            try:
-                if job.cancelled.is_set():
-                    job.emit("error", CANCELLED)
-                else:
-                    self._run(job)
-            except NonFiniteLogits as e:      # the session reset itself; the reason is news
-                job.emit("error", f"generation failed: {e}")
-            except RequestError as e:         # a grammar past one of llguidance's limits
-                self.session.reset()          # mid-answer: the request's fault, said whole
-                job.emit("error", ApiError(str(e), e.param))
-            except Exception as e:
-                log.exception("generation failed")
-                self.session.reset()          # the state may be half-updated
-                job.emit("error", f"generation failed: {type(e).__name__}")
-            finally:
-                self._current = self.prefill = None
-                with self._lock:
-                    self._active -= 1
+        while (work := self._next()) is not None:
+            what, job = work
+            if what == "alone":
+                self._alone(job)
+            elif what == "join":
+                self.rows.join(job)
+            else:
+                self.rows.advance()
+        if self.rows is not None:
+            self.rows.close()
 
-    def _next(self) -> Job | None:
-        """The next job (now the current one), once there is one; None once stopping."""
+    def _alone(self, job: Job):
+        """Run ``job`` by itself on the engine's own session."""
+        try:
+            if job.cancelled.is_set():
+                job.emit("error", CANCELLED)
+            else:
+                self._run(job)
+        except Exception as e:
+            self.failed(job, e, self.session)
+        finally:
+            self._current = self.prefill = None
+            self.finished()
+
+    def failed(self, job: Job, e: Exception, session: Session):
+        """``job``'s generation on ``session`` raised ``e``: the client hears why."""
+        if isinstance(e, NonFiniteLogits):    # the session reset itself; the reason is news
+            job.emit("error", f"generation failed: {e}")
+        elif isinstance(e, RequestError):     # a grammar past one of llguidance's limits
+            session.reset()                   # mid-answer: the request's fault, said whole
+            job.emit("error", ApiError(str(e), e.param))
+        else:
+            log.error("generation failed", exc_info=e)
+            session.reset()                   # the state may be half-updated
+            job.emit("error", f"generation failed: {type(e).__name__}")
+
+    def finished(self):
+        """A job is over (served, failed or cancelled): its place is free."""
         with self._lock:
-            while not self._waiting and not self._stopping:
+            self._active -= 1
+
+    def _next(self) -> tuple[str, Job | None] | None:
+        """What the thread does next, once there is something: ``("alone", job)`` (now the
+        current one), ``("join", job)`` (into the batch), ``("step", None)`` (the batch's next
+        turn); None once stopping. The queue is served in order: a job the batch does not
+        take waits, at its head, until the batch has emptied."""
+        with self._lock:
+            while not self._stopping:
+                head = self._waiting[0] if self._waiting else None
+                if head is not None and self.rows is not None and self.rows.takes(head):
+                    return "join", self._waiting.popleft()
+                if self.rows is not None and self.rows.members:
+                    return "step", None
+                if head is not None:
+                    self._current = self._waiting.popleft()
+                    return "alone", self._current
                 self._lock.wait()
-            if self._stopping:
-                return None
-            self._current = self._waiting.popleft()
-            return self._current
+            return None
 
     def _run(self, job: Job):
         session, cache = self.session, self.cache
@@ -197,55 +221,62 @@ class Engine:
         tokens = []
         try:
             for chunk in stream:
-                tokens += [] if chunk.stop else [chunk.token]
-                if chunk.finish_reason is not None and job.request.logprobs is not None:
-                    job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
-                                                           tokens, chunk.stats.logprobs))
-                job.emit("chunk", chunk)
-                if chunk.stats.finish_detail == "context":
-                    log.warning("a reply ended at the model's context limit (%s tokens: %d of "
-                             "prompt, %d generated)", self.pair.target.context_limit,
-                             chunk.stats.prompt_tokens, chunk.stats.generated)
-                if job.cancelled.is_set() and chunk.finish_reason is None:
-                    self.cancelled += 1
-                    job.emit("error", CANCELLED)   # ends a handler still waiting for it
+                if not self.hand(job, chunk, tokens):
                     break
             else:
                 self.served += 1
-        except _Left:                         # between two prefill pieces; those up to the
+        except Left:                          # between two prefill pieces; those up to the
             self.cancelled += 1               # last checkpoint stay, for a retry
             job.emit("error", CANCELLED)
         finally:
             stream.close()      # the prompt cache remembers prompt and answer: the next turn
 
+    def hand(self, job: Job, chunk, tokens: list[int]) -> bool:
+        """Hand ``chunk`` (``tokens``: the reply's so far, this one added) to ``job``'s
+        handler, its log-probabilities with the last one; False when its client has left
+        (the generation stops here)."""
+        tokens += [] if chunk.stop else [chunk.token]
+        if chunk.finish_reason is not None and job.request.logprobs is not None:
+            job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
+                                                   tokens, chunk.stats.logprobs))
+        job.emit("chunk", chunk)
+        if chunk.stats.finish_detail == "context":
+            log.warning("a reply ended at the model's context limit (%s tokens: %d of "
+                        "prompt, %d generated)", self.pair.target.context_limit,
+                        chunk.stats.prompt_tokens, chunk.stats.generated)
+        if job.cancelled.is_set() and chunk.finish_reason is None:
+            self.cancelled += 1
+            job.emit("error", CANCELLED)   # ends a handler still waiting for it
+            return False
+        return True
+
     def _generation(self, job: Job, session: Session):
         """The job's generation on ``session``, its prefix restored: the client hears how
-        much was (``"started"``), and its prefill reports to :meth:`_prefilling`."""
+        much was (``"started"``), and its prefill reports to :meth:`prefilling`."""
         job.emit("started", len(session.tokens))
         if self.cache is None:
             session.on_checkpoint = None
         return api.stream(self.pair, job.request, session,
-                          progress=self._prefilling(job))
+                          progress=self.prefilling(job))
 
-    def _prefilling(self, job: Job):
+    def prefilling(self, job: Job, where: dict | None = None):
         """The progress callback of ``job``'s prefill, called between its pieces (about 512
-        tokens, decode/pieces.py): ``/health`` shows how far it is, the log has a line per
-        piece once it has taken a second, and a cancelled job (its client left, the server
-        stops) stops there, so the engine is free within one piece. A retry continues from
-        the last checkpoint snapshotted (message ends, every CHECKPOINT_EVERY tokens), where
-        it computes what the cold run computes; a snapshot between two pieces would not."""
+        tokens, decode/pieces.py): ``/health`` shows how far it is (and ``where``, a batch
+        row's, is kept up to date), the log has a line per piece once it has taken a second,
+        and a cancelled job (its client left, the server stops) stops there, so the engine is
+        free within one piece. A retry continues from the last checkpoint snapshotted
+        (message ends, every CHECKPOINT_EVERY tokens), where it computes what the cold run
+        computes; a snapshot between two pieces would not."""
         reused = [0]
 
         def progress(done: int, total: int, seconds: float):
             if seconds == 0.0:          # the start: the tokens already held
                 reused[0] = done
             self.prefill = {"done": done, "total": total, "seconds": round(seconds, 3)}
+            if where is not None:
+                where.update(done=done, total=total)
             if seconds >= LOG_AFTER:
                 log.info(format_progress(done, total, reused[0], seconds))
             if job.cancelled.is_set():
-                raise _Left
+                raise Left
         return progress
-
-
-class _Left(Exception):
-    """The job was cancelled (its client left, or the server stops) during its prefill."""

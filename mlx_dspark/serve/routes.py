@@ -246,7 +246,7 @@ async def health(request: Request):
     engine = server.engine
     return JSONResponse({"status": "ok", "model": server.model_id, "waiting": engine.waiting,
                          "served": engine.served, "cancelled": engine.cancelled,
-                         "prefill": engine.prefill,
+                         "prefill": engine.prefill, "batch": engine.batch,
                          "prompt_cache": None if engine.cache is None else
                          engine.cache.health()})
 

@@ -1,0 +1,192 @@
+"""The engine's batch (``serve --max-batch N``, docs/batching.md): up to N requests decoded
+together by one decode/batch.py :class:`~mlx_dspark.decode.batch.Batch`, each on a session of
+its own from a small pool.
+
+A request joins between two steps. Its prompt is prefilled a piece at a time (the pieces
+``decode`` cuts alone, decode/pieces.py), one piece per turn of the engine, beside the rows
+already decoding, the shortest prompt left first: a short request is not stuck behind a long
+prefill, and a cancelled one stops between two pieces. Each row's tokens become chunks by
+``api.chunks``, the chunk builder ``api.stream`` runs on decode's tokens, fed here with the
+row's tokens and the stats as they stood at each, so a row's chunks are the ones its request
+gets alone. The prompt cache serves every row as it serves a request alone (PromptCache's
+parts: start, the checkpoints while it prefills, remember at the end of the answer); a
+snapshot copies a batched row's own state out (TargetCache.snapshot)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .. import api, device
+from ..decode.batch import Batch, Row
+from ..decode.session import Session
+from ..stats import Stats
+from .job import CANCELLED, Job, Left
+
+
+@dataclass(eq=False)
+class Member:
+    """One job in the batch: its session, the stats its chunks show, the tokens waiting to
+    become chunks (with the stats at each), its chunks, its prefill while it joins
+    (``joining``, a generator; None once it decodes) and its row once joined."""
+
+    job: Job
+    session: Session
+    shown: Stats
+    chunks: object = None
+    joining: object = None
+    row: Row | None = None
+    fed: collections.deque = field(default_factory=collections.deque)
+    prefill: dict = field(default_factory=lambda: {"done": 0, "total": 0})
+    tokens: list[int] = field(default_factory=list)   # generated so far (the logprobs')
+
+    def tokens_fed(self):
+        """The token source of its chunks: each token, the shown stats set to what they were
+        as it came. The engine hands out one chunk per token fed (api.chunks makes one per
+        token), so the source never runs dry before the row has ended."""
+        while self.fed:
+            token, seen = self.fed.popleft()
+            vars(self.shown).update(vars(seen))
+            yield token
+
+
+class Rows:
+    """The batch an :class:`~mlx_dspark.serve.engine.Engine` runs (``engine``: its pair, prompt
+    cache, counters and the job handing of a request alone)."""
+
+    def __init__(self, engine, max_batch: int):
+        self.engine, self.max_batch = engine, max_batch
+        self.batch = Batch()
+        self.members: list[Member] = []
+        self.free: list[Session] = []
+        self.steps = 0
+        self._wired = contextlib.ExitStack()
+
+    def takes(self, job: Job) -> bool:
+        """Whether ``job`` may join now: a place is free and a batch decodes its request
+        (else it runs alone, once the batch is empty)."""
+        return len(self.members) < self.max_batch and Batch.refusal(job.request) is None
+
+    def join(self, job: Job):
+        """``job`` joins: its session continued from the prompt cache, its prefill started."""
+        engine = self.engine
+        if job.cancelled.is_set():
+            job.emit("error", CANCELLED)
+            engine.finished()
+            return
+        if not self.members:
+            self._wired.enter_context(device.wired_limit((engine.pair.target,
+                                                          engine.pair.drafter)))
+        session = self.free.pop() if self.free else engine.new_session()
+        member = Member(job, session, Stats())
+        self.members.append(member)
+        try:
+            if engine.cache is not None:
+                engine.cache.start(session, job.request.prompt, job.boundaries, job.space)
+            job.emit("started", len(session.tokens))
+            stats = Stats()
+            member.joining = self.batch.join(session, job.request, stats,
+                                             engine.prefilling(job, member.prefill))
+            member.chunks = api.chunks(engine.pair, job.request, member.tokens_fed(),
+                                       member.shown)
+        except Exception as e:          # refused (a prompt past the vocabulary...)
+            engine.failed(job, e, session)
+            self._leave(member, remember=False)
+        self.publish()
+
+    def advance(self):
+        """One turn: the cancelled leave, the shortest prefill left runs one piece, and the
+        rows decoding take one step together."""
+        engine = self.engine
+        with engine.pair.lock, mx.stream(device.generation_stream()):
+            for member in [m for m in self.members if m.job.cancelled.is_set()]:
+                engine.cancelled += 1
+                member.job.emit("error", CANCELLED)
+                self._leave(member, remember=member.joining is None)
+            joining = [m for m in self.members if m.joining is not None]
+            if joining:
+                self._piece(min(joining, key=lambda m: m.prefill["total"] - m.prefill["done"]))
+            if self.batch.rows:
+                stepped = set(map(id, self.batch.step()))
+                self.steps += 1
+                for member in [m for m in self.members if m.row is not None]:
+                    if id(member.row) in stepped or member.row.done:
+                        self._deliver(member)
+                if self.steps % device.CLEAR_EVERY == 0:
+                    mx.clear_cache()
+        if not any(m.joining is not None for m in self.members):
+            engine.prefill = None
+        self.publish()
+
+    def _piece(self, member: Member):
+        """One piece of ``member``'s prefill; once it has its first token, its row joins."""
+        try:
+            next(member.joining)
+            return
+        except StopIteration as joined:
+            member.row, member.joining = joined.value, None
+        except Left:                    # cancelled between two pieces: the checkpoints stay
+            self.engine.cancelled += 1
+            member.job.emit("error", CANCELLED)
+            self._leave(member, remember=False)
+            return
+        except Exception as e:
+            self.engine.failed(member.job, e, member.session)
+            self._leave(member, remember=False)
+            return
+        mx.clear_cache()                # the prefill's buffers (as decode's housekeeping)
+        self._deliver(member)
+
+    def _deliver(self, member: Member):
+        """Hand out the chunks of the tokens ``member``'s row emitted in its last step; it
+        leaves once it ended (its last chunk, its error) or its client left."""
+        row, engine = member.row, self.engine
+        if row.error is not None:
+            engine.failed(member.job, row.error, member.session)
+            self._leave(member, remember=False)
+            return
+        member.fed.extend(zip(row.tokens, row.seen))
+        for _ in row.tokens:
+            chunk = next(member.chunks)
+            if not engine.hand(member.job, chunk, member.tokens):
+                self._leave(member, remember=True)
+                return
+            if chunk.finish_reason is not None:
+                engine.served += 1
+                self._leave(member, remember=True)
+                return
+
+    def _leave(self, member: Member, remember: bool):
+        """``member`` is done: out of the batch, its state remembered (the next turn of a
+        chat; not after a failure), its session back in the pool."""
+        for steps in (member.joining, member.chunks):
+            if steps is not None:
+                steps.close()
+        if member.row is not None and member.row in self.batch.rows:
+            self.batch.remove(member.row)
+        cache, session = self.engine.cache, member.session
+        if cache is not None:
+            cache.finish(session)
+            if remember:
+                cache.remember(session, member.job.space)
+        self.members.remove(member)
+        session.reset()                 # its memory freed; the next row restores or starts
+        self.free.append(session)
+        if not self.members:
+            self._wired.close()
+        self.engine.finished()
+
+    def close(self):
+        """The engine stops: every member leaves (their handlers were told)."""
+        for member in list(self.members):
+            self._leave(member, remember=False)
+
+    def publish(self):
+        """What ``/health`` shows of the batch, replaced whole (read from another thread)."""
+        rows = [{"phase": "prefill", **m.prefill} if m.joining is not None or m.row is None
+                else {"phase": "decode", "generated": m.shown.generated}
+                for m in self.members]
+        self.engine.batch = {"size": len(rows), "max": self.max_batch, "rows": rows}
