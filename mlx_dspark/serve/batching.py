@@ -87,6 +87,7 @@ class Rows:
             if engine.cache is not None:
                 engine.cache.start(session, job.request.prompt, job.boundaries, job.space)
             job.emit("started", len(session.tokens))
+            member.prefill.update(done=len(session.tokens), total=len(job.request.prompt))
             stats = Stats()
             member.joining = self.batch.join(session, job.request, stats,
                                              engine.prefilling(job, member.prefill))

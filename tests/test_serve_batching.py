@@ -1,0 +1,237 @@
+"""``serve --max-batch``: requests decoded together by the engine (serve/batching.py), each row's
+answer the answer its request gets alone, a joining prompt prefilled in pieces beside the rows
+decoding, a client that leaves taking only its own row, /health showing each row's phase, and
+a thinking budget still served (alone, when it is next). Demo pair, greedy, stock BLAS."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import pytest
+
+from mlx_dspark import api
+from mlx_dspark.serve.app import create_app
+from mlx_dspark.serve.engine import CANCELLED, Engine, Job
+from mlx_dspark.serve.errors import ApiError
+
+from server_helpers import app_client, started_engine
+
+PROMPTS = ["def read_config(path):", "import os\n", "The quick brown fox", "class Stack:"]
+LONG = 1600        # tokens: four prefill pieces
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return api.load()
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    yield from started_engine(lambda: pair, max_queue=4, max_batch=4)
+
+
+@dataclass(eq=False)
+class Heard(Job):
+    """A job whose events go, in the order the engine emits them, into one list its test
+    shares with the other jobs (``heard``): who, what, the item."""
+
+    heard: list = field(default_factory=list)
+
+    def emit(self, kind: str, item):
+        self.heard.append((self, kind, item))
+
+
+def _submit(engine, heard, request, **options) -> Heard:
+    job = Heard(request, None, heard=heard, **options)
+    engine.submit(job)
+    return job
+
+
+def _events(heard, job, kind="chunk") -> list:
+    return [item for who, what, item in list(heard) if who is job and what == kind]
+
+
+def _over(heard, job) -> bool:
+    return any(what == "error" or what == "chunk" and item.finish_reason is not None
+               for who, what, item in list(heard) if who is job)
+
+
+def _until(test, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not test():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _text(chunks) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def _index(heard, job, test) -> int:
+    return next(i for i, (who, what, item) in enumerate(list(heard)) if who is job
+                and test(what, item))
+
+
+def _final(what, item):
+    return what == "chunk" and item.finish_reason is not None
+
+
+def _long_prompt(seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 1000, LONG).tolist()
+
+
+def _peak(engine, record):
+    """Record the batch size /health shows after every turn of the engine."""
+    publish = engine.rows.publish
+
+    def published():
+        publish()
+        record.append(engine.batch["size"])
+    engine.rows.publish = published
+    return publish
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_concurrent_requests_through_the_server_each_get_their_answer_alone(
+        engine, pair, mode):
+    app = create_app(engine, "demo", defaults={"speculative": mode})
+    bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 1}
+              for i, p in enumerate(PROMPTS)]
+
+    async def send():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost",
+                                     timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=b)
+                                          for b in bodies))
+    sizes = []
+    publish = _peak(engine, sizes)
+    try:
+        replies = asyncio.run(send())
+    finally:
+        engine.rows.publish = publish
+    assert max(sizes) >= 2                                  # they did decode together
+    for body, reply in zip(bodies, replies):
+        want = api.generate(pair, body["prompt"], max_tokens=24, temperature=0,
+                            speculative=mode)
+        if body["stream"]:
+            import json
+            pieces = [json.loads(line[6:]) for line in reply.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(c["text"] for p in pieces for c in p["choices"])
+        else:
+            text = reply.json()["choices"][0]["text"]
+        assert text == want.text
+
+
+def test_a_short_request_finishes_while_a_long_prefill_is_still_running(engine, pair):
+    heard = []
+    long_request = api.make_request(pair, _long_prompt(1), 4, temperature=0)
+    short_request = api.make_request(pair, "def f(x):", 3, temperature=0)
+    long_job = _submit(engine, heard, long_request)
+    _until(lambda: any(r["phase"] == "prefill" and r["done"] > 0
+                       for r in engine.batch["rows"]))   # its first piece is in
+    short_job = _submit(engine, heard, short_request)
+    _until(lambda: _over(heard, long_job) and _over(heard, short_job))
+    short_end = _index(heard, short_job, _final)
+    assert short_end < _index(heard, long_job, lambda what, item: what == "chunk")
+    assert _text(_events(heard, short_job)) == api.generate(pair, short_request).text
+    assert _text(_events(heard, long_job)) == api.generate(pair, long_request).text
+
+
+def test_a_client_leaving_mid_batch_leaves_the_other_rows_tokens_unchanged(engine, pair):
+    heard, cancelled_before = [], engine.cancelled
+    requests = [api.make_request(pair, p, 40, temperature=0, speculative="on")
+                for p in PROMPTS[:3]]
+    jobs = [_submit(engine, heard, r) for r in requests]
+    leaving = jobs[1]
+    _until(lambda: len(_events(heard, leaving)) >= 3)
+    engine.cancel(leaving)                                  # its client goes away
+    _until(lambda: all(_over(heard, j) for j in jobs))
+    assert CANCELLED in _events(heard, leaving, "error")
+    assert engine.cancelled == cancelled_before + 1
+    # it left while the others still decoded, and their tokens are their tokens alone
+    left = _index(heard, leaving, lambda what, item: what == "error")
+    for job, request in zip(jobs, requests):
+        if job is leaving:
+            continue
+        assert left < _index(heard, job, _final)
+        tokens = [c.token for c in _events(heard, job) if not c.stop]
+        assert tokens == api.generate(pair, request).tokens
+
+
+def test_health_shows_the_batch_and_each_rows_phase(engine, pair):
+    client = app_client(engine, "demo")
+    heard = []
+    talking = _submit(engine, heard, api.make_request(pair, "import os\n", 200, temperature=0))
+    _until(lambda: len(_events(heard, talking)) >= 2)
+    reading = _submit(engine, heard, api.make_request(pair, _long_prompt(2), 2, temperature=0))
+    seen = []
+
+    def both():
+        seen.append(client.get("/health").json())
+        return {r["phase"] for r in seen[-1]["batch"]["rows"]} == {"prefill", "decode"}
+    _until(both)
+    health = seen[-1]
+    assert health["batch"]["size"] == 2 and health["batch"]["max"] == 4
+    assert health["waiting"] == 0 and health["status"] == "ok"     # the fields kept
+    prefill = next(r for r in health["batch"]["rows"] if r["phase"] == "prefill")
+    decode = next(r for r in health["batch"]["rows"] if r["phase"] == "decode")
+    assert prefill["total"] == LONG and 0 <= prefill["done"] < LONG
+    assert decode["generated"] >= 2
+    engine.cancel(talking)
+    _until(lambda: _over(heard, talking) and _over(heard, reading))
+    _until(lambda: client.get("/health").json()["batch"]["size"] == 0)
+
+
+def test_a_thinking_budget_during_a_batch_runs_alone_and_answers_as_alone(engine, pair):
+    heard = []
+    budget = api.make_request(pair, "<think>\n", 16, temperature=0, thinking_token_budget=4,
+                              split_thinking=True)
+    first = _submit(engine, heard, api.make_request(pair, PROMPTS[0], 30, temperature=0))
+    _until(lambda: _events(heard, first))
+    thinking = _submit(engine, heard, budget)
+    after = _submit(engine, heard, api.make_request(pair, PROMPTS[1], 8, temperature=0))
+    _until(lambda: all(_over(heard, j) for j in (first, thinking, after)))
+    want = api.generate(pair, budget)
+    chunks = _events(heard, thinking)
+    assert _text(chunks) == want.text and "".join(c.reasoning for c in chunks) == want.reasoning
+    assert [c.token for c in chunks if not c.stop] == want.tokens
+    # alone: after the batch emptied, and before the request behind it (first come, first served)
+    assert _index(heard, first, _final) < _index(heard, thinking, lambda w, i: w == "chunk")
+    assert _index(heard, thinking, _final) < _index(heard, after, lambda w, i: w == "chunk")
+
+
+def test_a_full_batch_and_queue_answer_busy(pair):
+    for engine in started_engine(lambda: pair, max_queue=1, max_batch=2):
+        heard = []
+        jobs = [_submit(engine, heard, api.make_request(pair, p, 40, temperature=0))
+                for p in PROMPTS[:3]]
+        with pytest.raises(ApiError) as refused:
+            _submit(engine, heard, api.make_request(pair, PROMPTS[3], 4, temperature=0))
+        assert refused.value.status == 503
+        _until(lambda: all(_over(heard, j) for j in jobs))
+
+
+def test_rows_continue_from_the_prompt_cache_and_equal_cold_runs(pair):
+    """Each row's snapshots (its prompt's end, its answer's end) hold its own state: the next
+    turns, sent together, prefill only what is new and give what a cold run gives."""
+    for engine in started_engine(lambda: pair, max_batch=4, cache_bytes=64 << 20):
+        heard = []
+        first = [api.make_request(pair, p, 12, temperature=0) for p in PROMPTS[:3]]
+        jobs = [_submit(engine, heard, r) for r in first]
+        _until(lambda: all(_over(heard, j) for j in jobs))
+        answers = [[c.token for c in _events(heard, j) if not c.stop] for j in jobs]
+        more = pair.tokenizer.encode(" again", add_special_tokens=False)
+        second = [api.make_request(pair, list(r.prompt) + a + more, 12, temperature=0)
+                  for r, a in zip(first, answers)]
+        jobs = [_submit(engine, heard, r) for r in second]
+        _until(lambda: all(_over(heard, j) for j in jobs))
+        for job, request, answer, old in zip(jobs, second, answers, first):
+            reused = _events(heard, job, "started")[0]
+            assert reused == len(old.prompt) + len(answer) - 1   # all but the last answer token
+            assert _text(_events(heard, job)) == api.generate(pair, request).text
