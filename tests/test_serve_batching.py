@@ -6,6 +6,7 @@ a thinking budget still served (alone, when it is next). Demo pair, greedy, stoc
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -119,12 +120,14 @@ def test_concurrent_requests_through_the_server_each_get_their_answer_alone(
         want = api.generate(pair, body["prompt"], max_tokens=24, temperature=0,
                             speculative=mode)
         if body["stream"]:
-            import json
             pieces = [json.loads(line[6:]) for line in reply.text.splitlines()
                       if line.startswith("data: {")]
             text = "".join(c["text"] for p in pieces for c in p["choices"])
         else:
-            text = reply.json()["choices"][0]["text"]
+            answer = reply.json()
+            text = answer["choices"][0]["text"]
+            assert answer["choices"][0]["finish_reason"] == want.finish_reason
+            assert answer["usage"]["completion_tokens"] == len(want.tokens)
         assert text == want.text
 
 

@@ -225,7 +225,7 @@ def test_client_leaving_mid_stream_cancels_it_and_the_next_request_is_unaffected
 
 
 def test_full_queue_answers_503_and_serving_resumes():
-    proc, url = _start("--max-queue", "0", "--prefix-cache-mb", "0")
+    proc, url = _start("--max-batch", "1", "--max-queue", "0", "--prefix-cache-mb", "0")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with _long_stream(url, headers={}):
