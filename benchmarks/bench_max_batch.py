@@ -10,7 +10,9 @@ the server's --speculative modes; the clock runs from the first submit to the la
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import mlx_dspark as md
@@ -78,3 +80,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)     # (the interpreter's own exit can abort after the engine threads)

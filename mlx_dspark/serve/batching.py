@@ -3,8 +3,9 @@ together by one decode/batch.py :class:`~mlx_dspark.decode.batch.Batch`, each on
 its own from a small pool.
 
 A request joins between two steps. Its prompt is prefilled a piece at a time (the pieces
-``decode`` cuts alone, decode/pieces.py), one piece per turn of the engine, beside the rows
-already decoding, the shortest prompt left first: a short request is not stuck behind a long
+``decode`` cuts alone, decode/pieces.py), a piece's worth of tokens per turn of the engine
+(several short prompts, or one piece of a long one) beside the rows already decoding, the
+shortest prompt left first: a short request is not stuck behind a long
 prefill, and a cancelled one stops between two pieces. Each row's tokens become chunks by
 ``api.chunks``, the chunk builder ``api.stream`` runs on decode's tokens, fed here with the
 row's tokens and the stats as they stood at each, so a row's chunks are the ones its request
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api, device
+from ..decode import pieces
 from ..decode.batch import Batch, Row
 from ..decode.session import Session
 from ..stats import Stats
@@ -99,7 +101,7 @@ class Rows:
         self.publish()
 
     def advance(self):
-        """One turn: the cancelled leave, the shortest prefill left runs one piece, and the
+        """One turn: the cancelled leave, the joining rows prefill a piece's worth, and the
         rows decoding take one step together."""
         engine = self.engine
         with engine.pair.lock, mx.stream(device.generation_stream()):
@@ -107,9 +109,7 @@ class Rows:
                 engine.cancelled += 1
                 member.job.emit("error", CANCELLED)
                 self._leave(member, remember=member.joining is None)
-            joining = [m for m in self.members if m.joining is not None]
-            if joining:
-                self._piece(min(joining, key=lambda m: m.prefill["total"] - m.prefill["done"]))
+            self._prefill()
             if self.batch.rows:
                 stepped = set(map(id, self.batch.step()))
                 self.steps += 1
@@ -121,6 +121,21 @@ class Rows:
         if not any(m.joining is not None for m in self.members):
             engine.prefill = None
         self.publish()
+
+    def _prefill(self):
+        """A piece's worth of prefill (``pieces.PIECE`` tokens): the joining rows' pieces,
+        the shortest prompt left first, as long as the next one fits what is left of it (so
+        several short prompts join in one turn, and a long one takes its turn's piece)."""
+        budget = pieces.PIECE
+        while joining := [m for m in self.members if m.joining is not None]:
+            member = min(joining, key=_left)
+            if budget < pieces.PIECE and _left(member) > budget:
+                return
+            before = member.prefill["done"]
+            self._piece(member)
+            budget -= member.prefill["done"] - before
+            if budget <= 0:
+                return
 
     def _piece(self, member: Member):
         """One piece of ``member``'s prefill; once it has its first token, its row joins."""
@@ -191,3 +206,8 @@ class Rows:
                 else {"phase": "decode", "generated": m.shown.generated}
                 for m in self.members]
         self.engine.batch = {"size": len(rows), "max": self.max_batch, "rows": rows}
+
+
+def _left(member: Member) -> int:
+    """The prompt tokens ``member`` has still to prefill."""
+    return member.prefill["total"] - member.prefill["done"]
