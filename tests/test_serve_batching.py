@@ -131,6 +131,30 @@ def test_concurrent_requests_through_the_server_each_get_their_answer_alone(
         assert text == want.text
 
 
+def _shape(chunk):
+    return (chunk.text, chunk.reasoning, chunk.token, chunk.stop, chunk.thinking,
+            chunk.finish_reason, chunk.finish_detail, chunk.stop_string, chunk.generation_tokens,
+            chunk.stats.logprobs)
+
+
+def test_each_rows_chunks_are_its_requests_chunks_alone(engine, pair):
+    """Chunk for chunk: text, thinking, stop strings, finish reasons, counts, logprobs."""
+    requests = [api.make_request(pair, "def read_config(path):", 40, temperature=0,
+                                 stop=["path"], speculative="on"),
+                api.make_request(pair, "<think>\n", 30, temperature=0, split_thinking=True),
+                api.make_request(pair, "import os\n", 12, temperature=0, logprobs=2),
+                api.make_request(pair, "class Stack:", 20, temperature=0.8, seed=7,
+                                 speculative="on")]
+    heard = []
+    jobs = [_submit(engine, heard, r) for r in requests]
+    _until(lambda: all(_over(heard, j) for j in jobs))
+    for job, request in zip(jobs, requests):
+        want = [_shape(c) for c in api.stream_generate(pair, request)]
+        assert [_shape(c) for c in _events(heard, job)] == want
+    assert _events(heard, jobs[0])[-1].stop_string == "path"
+    assert _events(heard, jobs[2], "logprobs")
+
+
 def test_a_short_request_finishes_while_a_long_prefill_is_still_running(engine, pair):
     heard = []
     long_request = api.make_request(pair, _long_prompt(1), 4, temperature=0)
