@@ -191,6 +191,29 @@ def test_a_client_leaving_mid_batch_leaves_the_other_rows_tokens_unchanged(engin
         assert tokens == api.generate(pair, request).tokens
 
 
+def test_a_failing_batched_step_ends_its_rows_with_an_error_and_the_engine_serves_on(
+        engine, pair, monkeypatch):
+    heard, batch = [], engine.rows.batch
+    step, calls = batch.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 3:                      # a few tokens in, the whole forward fails
+            raise RuntimeError("the device went away")
+        return step()
+    monkeypatch.setattr(batch, "step", failing_once)
+    requests = [api.make_request(pair, p, 40, temperature=0) for p in PROMPTS[:2]]
+    jobs = [_submit(engine, heard, r) for r in requests]
+    _until(lambda: all(_over(heard, j) for j in jobs))
+    for job in jobs:
+        assert _events(heard, job, "error") == ["generation failed: RuntimeError"]
+    monkeypatch.undo()
+    after = _submit(engine, heard, requests[0])             # the engine lives, rows reset
+    _until(lambda: _over(heard, after))
+    tokens = [c.token for c in _events(heard, after) if not c.stop]
+    assert tokens == api.generate(pair, requests[0]).tokens
+
+
 def test_health_shows_the_batch_and_each_rows_phase(engine, pair):
     client = app_client(engine, "demo")
     heard = []

@@ -111,7 +111,11 @@ class Rows:
                 self._leave(member, remember=member.joining is None)
             self._prefill()
             if self.batch.rows:
-                stepped = set(map(id, self.batch.step()))
+                try:
+                    stepped = set(map(id, self.batch.step()))
+                except Exception as e:  # the batched forward itself: every row's state is
+                    self._fail_decoding(e)      # suspect, the engine thread lives on
+                    stepped = set()
                 self.steps += 1
                 for member in [m for m in self.members if m.row is not None]:
                     if id(member.row) in stepped or member.row.done:
@@ -155,6 +159,13 @@ class Rows:
             return
         mx.clear_cache()                # the prefill's buffers (as decode's housekeeping)
         self._deliver(member)
+
+    def _fail_decoding(self, e: Exception):
+        """A step of the whole batch raised ``e`` (no row's own error): each decoding row
+        ends with it, its session reset; the joining rows go on."""
+        for member in [m for m in self.members if m.row is not None]:
+            self.engine.failed(member.job, e, member.session)
+            self._leave(member, remember=False)
 
     def _deliver(self, member: Member):
         """Hand out the chunks of the tokens ``member``'s row emitted in its last step; it
