@@ -47,6 +47,7 @@ class Stats(Mapping):
     t_rollback: float = 0.0
     t_round: float = 0.0
     predicted_speedup: float | None = None
+    batch: int = 1                # the live batch size the mode was last decided at (1: alone)
     peak_memory_gb: float | None = None     # MLX's allocator, 10^9 bytes (set at the end)
     peak_rss_gb: float | None = None        # the process's peak resident set (set at the end)
     generations: int = 1          # how many generations these counts sum (Stats.total)
@@ -142,6 +143,7 @@ class Stats(Mapping):
             "mean_tokens_per_round": self.mean_tokens_per_round,
             "mode_switches": self.switches,
             "predicted_speedup": self.predicted_speedup,
+            "batch": self.batch,
             "sampling": self.sampling,
             "seed": self.seed,
             "time": {
@@ -183,15 +185,15 @@ def format_acceptance(stats: Stats) -> str:
 
 def format_mode(stats: Stats) -> str:
     """The mode, and under "auto" why: the controller's predicted speedup (tokens per unit
-    of time, speculative over serial) against break-even, 1.00."""
+    of time, speculative over serial; in a batch the batch's, at its live size) against
+    break-even, 1.00."""
     line = f"{stats.mode} (requested {stats.requested}, {stats.switches} switches)"
     p = stats.predicted_speedup
     if stats.requested != "auto" or p is None:
         return line
-    if stats.mode == "serial":
-        return (f"{line}: speculation predicted at {p:.2f}x serial speed, break-even 1.00, "
-                f"so serial")
-    return f"{line}: speculation predicted at {p:.2f}x serial speed, break-even 1.00"
+    at = f" at batch {stats.batch}" if stats.batch > 1 else ""
+    why = f"{line}: speculation predicted at {p:.2f}x serial speed{at}, break-even 1.00"
+    return f"{why}, so serial" if stats.mode == "serial" else why
 
 
 def format_rounds(stats: Stats) -> str:

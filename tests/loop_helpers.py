@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_dspark.decode.batch_control import BatchControl, SizeControl
 from mlx_dspark.decode.controller import Controller
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
@@ -47,3 +48,20 @@ class FixedCosts(Controller):
 
     def observe_round(self, seconds, num_drafted, num_tested, num_accepted):
         super().observe_round(self.cost, num_drafted, num_tested, num_accepted)
+
+
+class FixedSizeCosts(FixedCosts, SizeControl):
+    """A batch's controller of one live size (decode/batch_control.py) on fixed costs: a
+    batched serial step costs 1, a batched round ``round_cost``."""
+
+
+class FixedBatchCosts(BatchControl):
+    """A batch's controllers on fixed costs: ``round_cost[B]`` batched serial steps a round at
+    live size B costs. Install it as ``batch.control`` before the first step."""
+
+    def __init__(self, round_cost: dict[int, float]):
+        super().__init__()
+        self.cost = round_cost
+
+    def make(self, like, size):
+        return FixedSizeCosts(like.num_draft, self.cost[size])

@@ -22,6 +22,7 @@ import mlx.core as mx
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, constraint as constraints
+from .batch_control import BatchControl, SizeControl, cohort
 from .loop import (_emit, _first, _serial, _speculate, first_steps, pick, round_steps,
                    undo_ahead)
 from .processors import Processors
@@ -60,6 +61,7 @@ class Batch:
 
     def __init__(self):
         self.rows: list[Row] = []
+        self.control = BatchControl()   # what "auto" rows stepping together decide on
 
     def add(self, session: Session, request: Request, stats: Stats | None = None) -> Row:
         row = self._start(session, request, stats)
@@ -129,8 +131,9 @@ class Batch:
             except StaleGenerator as e:
                 row.room, row.error, row.tokens = None, e, []
         rows = [r for r in self.rows if not r.done]
-        plans = sorted(((_plan(row), i) for i, row in enumerate(rows)))
-        for (n, taps), group in groupby(plans, key=lambda plan: plan[0]):
+        plans, deciding = self._plans(rows)
+        plans = sorted((plans[id(row)], i) for i, row in enumerate(rows))
+        for (n, taps, tag), group in groupby(plans, key=lambda plan: plan[0]):
             group = [rows[i] for _, i in group]
             if len(group) == 1 and not n:       # alone: the loop's serial step, built ahead
                 row, token = group[0], group[0].tokens[-1]
@@ -138,17 +141,47 @@ class Batch:
                 continue
             for row in group:
                 undo_ahead(row.run.session)     # built while it stepped alone
+            # a cohort's step prices its size's costs when it ran as one forward (rows near
+            # their max_tokens may draft fewer than the others, and so verify apart)
+            control, members = deciding.get(tag, (None, ()))
+            control = control if len(group) == len(members) else None
             if n:
-                self._rounds(group, n, taps)
+                self._rounds(group, n, taps, control)
             else:
-                self._serial(group, taps)
+                self._serial(group, taps, control)
         for row in rows:
             row.run.note_mode()
         self.rows = [r for r in self.rows if not r.done]
         return rows
 
-    def _serial(self, rows: list[Row], taps):
-        """One forward feeds every row its last token; each chooses its next one."""
+    def _plans(self, rows: list[Row]) -> tuple[dict, dict]:
+        """Each row's next step as a group key (drafts, tapped layers, cohort tag), and the
+        controller deciding for each tag of two or more rows "auto" decides for together
+        (batch_control.py), with its rows. A row alone in its cohort decides by its own
+        controller, as alone."""
+        cohorts: dict[tuple, list[Row]] = {}
+        for row in rows:
+            key = cohort(row.run)
+            if key is not None:
+                cohorts.setdefault(key, []).append(row)
+        plans, deciding = {}, {}
+        for tag, (key, members) in enumerate(cohorts.items(), 1):
+            if len(members) < 2:
+                members[0].run.pooled, members[0].run.batch = None, 1
+                continue
+            control = self.control.at(key, members)
+            n = control.length() if control.speculate_next() else 0
+            deciding[tag] = control, members
+            for row in members:
+                row.run.pooled, row.run.batch = control, len(members)
+                plans[id(row)] = (min(n, row.room - 1), key[1], tag)
+        for row in rows:
+            plans.setdefault(id(row), _plan(row) + (0,))
+        return plans, deciding
+
+    def _serial(self, rows: list[Row], taps, control: SizeControl | None = None):
+        """One forward feeds every row its last token; each chooses its next one (the
+        forward's time goes to the ``control`` of a cohort stepping together)."""
         t0 = time.perf_counter()
         target = rows[0].run.session.target
         last = [row.tokens[-1] for row in rows]
@@ -164,10 +197,16 @@ class Batch:
         seconds = time.perf_counter() - t0
         for i, (row, token) in enumerate(zip(rows, read)):
             self._emit(row, lambda: _serial_read(row.run, token, logits[i, -1:], seconds))
+        if control is not None:
+            control.observe_serial(seconds)
 
-    def _rounds(self, rows: list[Row], n: int, taps):
+    def _rounds(self, rows: list[Row], n: int, taps, control: SizeControl | None = None):
         """Every row drafts ``n`` tokens after its last one; one verify pass over all of them;
-        one read of every row's verdict; each row accepts and commits its own."""
+        one read of every row's verdict; each row accepts and commits its own. A cohort's
+        ``control`` hears the round's time (its drafters' catch-up priced apart, as alone)."""
+        if control is not None:
+            _catch_up(rows, n, control)
+        t0 = time.perf_counter()
         steps = [round_steps(row.run, row.tokens[-1], n) for row in rows]
         drafts = [next(s) for s in steps]
         blocks = mx.stack([mx.concatenate([mx.array([row.tokens[-1]], dtype=mx.int32),
@@ -178,6 +217,9 @@ class Batch:
         verdicts = [s.send((logits[i], tapped[i])) for i, s in enumerate(steps)]
         for row, s, read in zip(rows, steps, mx.stack(verdicts).tolist()):
             self._emit(row, lambda: s.send(read))
+        if control is not None:
+            control.rows = [row.run.control.alpha() for row in rows]   # after the verdicts
+            control.observe_round(time.perf_counter() - t0, n, 0, 0)
 
     def _emit(self, row: Row, out):
         """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
@@ -196,20 +238,37 @@ class Batch:
 
 
 def _plan(row: Row) -> tuple[int, tuple]:
-    """What ``row`` does next, as a group key: the drafts of its round (0: a serial step), and
-    the target layers it taps."""
+    """What ``row`` does next by its own controller, as a group key: the drafts of its round
+    (0: a serial step), and the target layers it taps. A serial step built ahead is taken,
+    as the loop takes it (it was built on the controller's word that a serial step follows)."""
     run = row.run
-    n = min(run.request.num_draft, row.room - 1) if _speculate(run, row.room) else 0
-    return n, (run.session.tap_layers or ()) if run.tap else ()
+    speculate = run.session.ahead is None and _speculate(run, row.room)
+    n = min(run.control.length(), row.room - 1) if speculate else 0
+    return n, tuple(run.session.tap_layers or ()) if run.tap else ()
+
+
+def _catch_up(rows: list[Row], n: int, control: SizeControl):
+    """The rows' drafters take the taps of the tokens they have not seen, before a cohort's
+    round is timed, as loop._catch_up does for one row (after it, the round's own finds
+    none): a long catch-up is evaluated here and priced per token and batched serial step."""
+    t0 = time.perf_counter()
+    caught_up = [row.run.session.flush() for row in rows]
+    if max(caught_up) > n + 1:
+        mx.eval([row.run.session.draft_cache.arrays() for row in rows])
+        control.observe_catchup(time.perf_counter() - t0, max(caught_up))
 
 
 def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list[int]:
-    """A serial step's token once read, counted as loop._serial counts it."""
+    """A serial step's token once read, counted as loop._serial counts it (a cohort's step:
+    its time is its batch's, the row's own controller ages its evidence alone)."""
     token = finite(token, run.session)
     run.score(logits, [token])
     run.stats.t_serial += seconds
     run.stats.serial_steps += 1
-    run.control.observe_serial(seconds)
+    if run.pooled is None:
+        run.control.observe_serial(seconds)
+    else:
+        run.control.observe_token()
     return [token]
 
 

@@ -201,11 +201,8 @@ class Controller:
         At a fixed length, rounds with fewer drafts than ``num_draft`` (the last round before
         max_tokens) count for acceptance but not for cost; with a ``curve`` each round prices
         its own length."""
-        self._age(num_accepted + 1)
+        self.observe_accepts(num_tested, num_accepted)
         self.rounds += 1
-        for i in range(num_tested):
-            self.tested[i] += 1.0
-            self.accepted[i] += 1.0 if i < num_accepted else 0.0
         if self.curve is not None:
             # a round of any length prices that length; forced on, no serial step is ever
             # timed, and the curve's own step (measured at load) stands in for one
@@ -237,6 +234,18 @@ class Controller:
                 self.probe_every = PROBE_MIN               # promising: look again soon
             else:
                 self.probe_every = self._affordable(2 * self.probe_every)
+
+    def observe_accepts(self, num_tested: int, num_accepted: int):
+        """A round's verdict alone (what :meth:`observe_round` learns of the drafter): a row
+        of a batch, whose round's cost is the batch's (batch_control.py), learns this much."""
+        self._age(num_accepted + 1)
+        for i in range(num_tested):
+            self.tested[i] += 1.0
+            self.accepted[i] += 1.0 if i < num_accepted else 0.0
+
+    def observe_token(self):
+        """A serial step's token alone, its cost the batch's: the evidence ages by it."""
+        self._age(1)
 
     def ceiling(self) -> float | None:
         """The speedup of a round whose every draft is accepted: no content can beat it."""

@@ -40,13 +40,27 @@ def expected_tokens(alpha, n: int) -> float:
     return e
 
 
+def tokens_by_length(alpha) -> list[float]:
+    """``E(n)`` for every ``n`` in ``1..len(alpha)``."""
+    out, e, run = [], 1.0, 1.0
+    for a in alpha:
+        run *= a
+        e += run
+        out.append(e)
+    return out
+
+
 def best_length(alpha, costs) -> tuple[int, float]:
     """The draft length ``n`` in ``1..len(alpha)`` with the most expected tokens per serial
     step, ``E(n) / costs[n - 1]``, and that rate; the shortest one on a tie."""
-    best, e, run = (0, 0.0), 1.0, 1.0
-    for n, (a, cost) in enumerate(zip(alpha, costs), 1):
-        run *= a
-        e += run
+    return best_rate(tokens_by_length(alpha), costs)
+
+
+def best_rate(tokens, costs) -> tuple[int, float]:
+    """The length ``n`` whose ``tokens[n - 1] / costs[n - 1]`` is the largest, and that
+    rate; the shortest one on a tie (0 and 0.0 for no lengths)."""
+    best = (0, 0.0)
+    for n, (e, cost) in enumerate(zip(tokens, costs), 1):
         if e / cost > best[1]:
             best = (n, e / cost)
     return best

@@ -277,13 +277,11 @@ def round_steps(run: Run, bonus: int, n: int):
     """A round as one lazy graph read back once, in steps (a generator): it yields the drafts
     and is sent the verify pass over them, yields its verdict and is sent it read, then yields
     the tokens it emits. A batch (batch.py) verifies and reads many rows' rounds at once."""
-    session, sampler, noise, control = run.session, run.sampler, run.noise, run.control
+    session, sampler, noise = run.session, run.sampler, run.noise
     t_start = time.perf_counter()
     _catch_up(run, n, t_start)
     t0 = time.perf_counter()
-    # A probe: "auto" measuring (no estimate yet, or decoding serially), not yet a decision.
-    probe = control.mode == "auto" and (not control.speculating
-                                        or control.predicted_speedup() is None)
+    probe = run.probing()
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
     drafts, draft_logits = draft(run, bonus, n, None if g is None else g[:n])

@@ -121,6 +121,11 @@ class Run:
     tap: bool              # the session has a drafter: it keeps its context whole
     use_drafter: bool      # ... and this request may speculate
     scores: list | None = None   # per emitted token, lazy (Request.logprobs), else None
+    # the batch's controller deciding for this row (batch_control.py: its rounds' and serial
+    # steps' costs are the batch's, its own controller learns acceptance alone), else None
+    pooled: Controller | None = None
+    batch: int = 1                # the live batch size that decided the row's latest step
+    pooled_switches: int = 0      # mode switches the batch's decisions made for this row
 
     @property
     def session(self) -> Session:
@@ -194,11 +199,25 @@ class Run:
         stats.t_verify += t2 - t1
         stats.t_rollback += t4 - t3
         stats.t_round += t4 - t_start
-        self.control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
+        if self.pooled is None:
+            self.control.observe_round(t4 - t0, n, num_tested=min(a + 1, n), num_accepted=a)
+        else:
+            self.control.observe_accepts(min(a + 1, n), a)
+
+    def probing(self) -> bool:
+        """Whether the next round is a probe: "auto" measuring (no estimate yet, or decoding
+        serially), not yet a decision."""
+        control = self.pooled or self.control
+        return control.mode == "auto" and (not control.speculating
+                                           or control.predicted_speedup() is None)
 
     def note_mode(self):
         """After each step: what the controller is doing, and how often it switched."""
-        self.stats.switches = self.control.switches - self.switches_before
-        self.stats.predicted_speedup = self.control.decided
-        self.stats.mode = "speculative" if self.use_drafter and self.control.speculating \
-            else "serial"
+        control = self.pooled or self.control
+        mode = "speculative" if self.use_drafter and control.speculating else "serial"
+        if self.pooled is not None and self.stats.rounds + self.stats.serial_steps > 1:
+            self.pooled_switches += mode != self.stats.mode
+        self.stats.switches = self.control.switches - self.switches_before \
+            + self.pooled_switches
+        self.stats.predicted_speedup = control.decided
+        self.stats.mode, self.stats.batch = mode, self.batch
