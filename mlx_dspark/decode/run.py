@@ -207,13 +207,13 @@ class Run:
     def probing(self) -> bool:
         """Whether the next round is a probe: "auto" measuring (no estimate yet, or decoding
         serially), not yet a decision."""
-        control = self.pooled or self.control
+        control = self.control if self.pooled is None else self.pooled
         return control.mode == "auto" and (not control.speculating
                                            or control.predicted_speedup() is None)
 
     def note_mode(self):
         """After each step: what the controller is doing, and how often it switched."""
-        control = self.pooled or self.control
+        control = self.control if self.pooled is None else self.pooled
         mode = "speculative" if self.use_drafter and control.speculating else "serial"
         if self.pooled is not None and self.stats.rounds + self.stats.serial_steps > 1:
             self.pooled_switches += mode != self.stats.mode
