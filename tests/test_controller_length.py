@@ -103,7 +103,7 @@ def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
     c = C.Controller(4, curve=curve)
     c.observe_serial(0.5)
     c.observe_round(1.0, 1, num_tested=1, num_accepted=1)     # 1.0 s / 0.5 s: 2 steps
-    assert curve.seen == {1: [2.0]}
+    assert curve.measured(1) == [2.0]
     assert [curve.cost(n) for n in (1, 2, 3, 4)] == [2.0, 3.0, 4.0, 5.0]   # a round's overhead
     for ratio in (3.5, 9.0, 3.5):                   # a spike: medians do not chase it
         curve.observe(2, ratio)
@@ -111,6 +111,36 @@ def test_rounds_refresh_the_cost_curve_at_their_length_and_move_the_rest():
     # lengths run: their own medians; length 4: 4 plus the median of 2-1, 3.5-2, 3.3-3
     assert [curve.cost(n) for n in (1, 2, 3)] == [2.0, 3.5, 3.3]
     assert curve.cost(4) == pytest.approx(4.0 + 1.0)
+
+
+def test_a_length_measured_long_ago_takes_the_price_of_the_lengths_run_lately():
+    # a block drafter's curve (the block at every length, +0.5 a verified draft): every length
+    # measured once early on, then the context grows and the rounds run (length 1) cost 1 more
+    curve = L.Curve([3.0, 3.5, 4.0, 4.5])
+    for n in (1, 2, 3, 4):
+        curve.observe(n, 2.5 + 0.5 * n)
+    alpha = [0.5, 0.3, 0.3, 0.3]
+    for _ in range(L.FRESH - 3):        # FRESH + 1 rounds in all: length 2's is FRESH - 1 old
+        curve.observe(1, 4.0)
+    # still fresh, length 2's early price makes it look cheaper than it is: it would be chosen
+    assert curve.costs() == [4.0, 3.5, 4.0, 4.5] and L.best_length(alpha, curve.costs())[0] == 2
+    for _ in range(3):                  # lengths 2, 3 and 4's measurements FRESH rounds old
+        curve.observe(1, 4.0)
+    # now stale: the curve moves with the length run, and one draft is the better round
+    assert curve.costs() == [4.0, 4.5, 5.0, 5.5]
+    assert L.best_length(alpha, curve.costs()) == brute_force(alpha, curve.costs())
+    assert L.best_length(alpha, curve.costs())[0] == 1
+
+
+def test_the_load_time_curve_is_the_least_squares_line_and_never_falls():
+    # DFlash's calibration on this CPU: a block drafter's steps are small next to the noise
+    raw = [2.99, 3.2, 3.71, 4.27, 3.73, 4.01, 4.57]
+    slope, intercept = np.polyfit(np.arange(1, 8), raw, 1)
+    assert L.line(raw) == pytest.approx(list(intercept + slope * np.arange(1, 8)))
+    assert all(b > a for a, b in zip(L.line(raw), L.line(raw)[1:]))
+    assert L.line([1.0, 1.5, 2.0]) == pytest.approx([1.0, 1.5, 2.0])   # a line stays itself
+    assert L.line([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3)         # a falling one: flat
+    assert L.line([2.5]) == [2.5]
 
 
 def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curve(monkeypatch):
@@ -136,10 +166,10 @@ def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curv
 def test_forced_on_without_serial_steps_rounds_are_priced_by_the_load_time_step():
     c = C.Controller(3, mode="on", curve=L.Curve([1.0, 2.0, 3.0], step=0.01))
     c.observe_round(0.05, 2, num_tested=2, num_accepted=1)          # 5 load-time steps
-    assert c.curve.seen == {2: [pytest.approx(5.0)]}
+    assert c.curve.measured(2) == [pytest.approx(5.0)]
     c.observe_serial(0.025)                                         # a step timed: it counts
     c.observe_round(0.05, 2, num_tested=2, num_accepted=1)
-    assert c.curve.seen[2][-1] == pytest.approx(2.0)
+    assert c.curve.measured(2)[-1] == pytest.approx(2.0)
 
 
 def test_the_ceiling_is_the_best_perfect_round_on_the_curve():

@@ -78,6 +78,6 @@ def measured_curve(target, drafter) -> length.Curve:
     curve = getattr(drafter, "_auto_curve", None)
     if curve is None:
         step, loaded = calibrate(target, drafter)
-        curve = length.Curve(loaded, step)
+        curve = length.Curve(length.line(loaded), step)
         object.__setattr__(drafter, "_auto_curve", curve)   # not a module parameter
     return curve

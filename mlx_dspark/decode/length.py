@@ -17,7 +17,7 @@ drafting, from the estimates, and the cost curve prices each kind as it drafts.
 the target's verify of ``n + 1`` tokens, one graph as the loop's), over one serial step, measured on
 a scratch session when the pair first runs "auto" (costs.py's ``measured_curve``, kept on the
 drafter: a property of this target, drafter and machine, shared by its requests), then
-refreshed by every round the loop runs (a median per length; lengths not run lately follow
+refreshed by every round the loop runs (a median per length of its last ``FRESH`` rounds; lengths not run lately follow
 the measured ones by their offset from the load-time curve, so a longer context or a round's
 own overhead moves them too).
 Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 LONGEST = 7       # most drafts "auto" considers (NVIDIA's DGX Spark recipe drafts 7)
 COST_WINDOW = 9   # costs = medians of this many recent measurements (spikes are one-sided)
+FRESH = 32        # rounds a measurement prices its length (two EXPLORE periods, controller.py)
 
 
 def expected_tokens(alpha, n: int) -> float:
@@ -66,14 +67,39 @@ def best_rate(tokens, costs) -> tuple[int, float]:
     return best
 
 
+def line(costs: list[float]) -> list[float]:
+    """The least-squares line through ``costs`` (a cost per length 1..len), never falling:
+    what the load-time curve is taken to be. A round is a draft and a verify, each about
+    affine in the length on the backends measured (the verify flat on a Mac, linear on this
+    CPU; a block drafter's draft flat), and three timings per length under a shared machine's
+    load are noisy by more than a block drafter's step from one length to the next: measured
+    with DFlash, raw medians priced 5 drafts below 4, and "auto" chose 5 on that."""
+    n = len(costs)
+    mean_x, mean_y = (n + 1) / 2, sum(costs) / n
+    spread = sum((x - mean_x) ** 2 for x in range(1, n + 1))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(costs, 1)) / spread \
+        if spread else 0.0
+    slope = max(slope, 0.0)
+    return [mean_y + slope * (x - mean_x) for x in range(1, n + 1)]
+
+
 @dataclass
 class Curve:
     """A round's cost in serial steps at each draft length 1..len(loaded): ``loaded`` as
-    measured at load, ``seen`` the recent rounds' measured costs per length."""
+    measured at load, ``seen`` the recent rounds' measured costs per length, each with the
+    count of rounds (``rounds``) it was measured at.
+
+    A measurement prices its length for ``FRESH`` rounds, then the length follows the ones run
+    lately. A cost moves with the context and with the serial step it is priced by, so a
+    length run rarely (explored, or chosen on a lucky streak) kept the price of its moment
+    while the lengths run every round followed: measured with DFlash, whose block costs the
+    same at every length, the curve came to price 1 draft above 2 and 6 below 3, and "auto"
+    drafted 4 to 7 on cheap stale prices."""
 
     loaded: list[float]
     step: float | None = None     # a serial step's seconds when ``loaded`` was measured
-    seen: dict[int, list[float]] = field(default_factory=dict)
+    seen: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    rounds: int = 0
 
     @property
     def longest(self) -> int:
@@ -82,26 +108,32 @@ class Curve:
     def cost(self, n: int) -> float:
         return self.costs()[n - 1]
 
+    def measured(self, n: int) -> list[float]:
+        """Length ``n``'s costs measured within the last ``FRESH`` rounds, oldest first."""
+        return [r for at, r in self.seen.get(n, ()) if self.rounds - at < FRESH]
+
     def costs(self) -> list[float]:
-        """The cost of each length 1..longest: its recent rounds' median, else the load-time
+        """The cost of each length 1..longest: its fresh rounds' median, else the load-time
         cost plus :meth:`offset` (kept positive: a length priced too low is run, and then
         measured)."""
-        offset = self.offset()
-        return [median(self.seen[n]) if self.seen.get(n) else max(c + offset, 1e-3)
-                for n, c in enumerate(self.loaded, 1)]
+        fresh = [self.measured(n) for n in range(1, self.longest + 1)]
+        offset = self.offset(fresh)
+        return [median(v) if v else max(c + offset, 1e-3) for v, c in zip(fresh, self.loaded)]
 
-    def offset(self) -> float:
-        """How far the rounds run lately sit from the load-time curve, in serial steps (0: no
-        round yet). Added, not multiplied: costs are ratios to a serial step measured at the
-        same time, so a load swing cancels out already, and what remains is mostly what a
-        real round does beyond a draft and a verify (acceptance, rollback, bookkeeping), the
-        same at every length; scaling would make the longer lengths look dearer than they are."""
-        gaps = [median(v) - self.loaded[n - 1] for n, v in self.seen.items() if v]
+    def offset(self, fresh: list[list[float]]) -> float:
+        """How far the lengths run lately sit from the load-time curve, in serial steps (0: no
+        round lately). Added, not multiplied: costs are ratios to a serial step measured at
+        the same time, so a load swing cancels out already, and what remains is mostly what
+        a real round does beyond a draft and a verify (acceptance, rollback, bookkeeping), the
+        same at every length; scaling would make the longer lengths look dearer than they
+        are."""
+        gaps = [median(v) - c for v, c in zip(fresh, self.loaded) if v]
         return median(gaps) if gaps else 0.0
 
     def observe(self, n: int, ratio: float):
+        self.rounds += 1
         seen = self.seen.setdefault(n, [])
-        seen.append(ratio)
+        seen.append((self.rounds, ratio))
         del seen[:-COST_WINDOW]
 
 
