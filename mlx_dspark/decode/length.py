@@ -16,10 +16,11 @@ drafting, from the estimates, and the cost curve prices each kind as it drafts.
 ``cost(n)`` is a :class:`Curve`: a round of each length (the drafter's ``propose(n)`` and
 the target's verify of ``n + 1`` tokens, one graph as the loop's), over one serial step, measured on
 a scratch session when the pair first runs "auto" (costs.py's ``measured_curve``, kept on the
-drafter: a property of this target, drafter and machine, shared by its requests), then
-refreshed by every round the loop runs (a median per length of its last ``FRESH`` rounds; lengths not run lately follow
-the measured ones by their offset from the load-time curve, so a longer context or a round's
-own overhead moves them too).
+drafter: a property of this target, drafter and machine, shared by its requests; taken as the
+:func:`line` through those timings), then refreshed by every round the loop runs (a median per
+length of its measurements within the last ``FRESH`` rounds; lengths not run lately follow the
+measured ones by their offset from the load-time curve, so a longer context or a round's own
+overhead moves them too).
 Every ``EXPLORE``-th round (controller.py) drafts one more than the best length: only a length
 that is run is measured, so a curve that over-prices longer rounds is corrected that way."""
 
