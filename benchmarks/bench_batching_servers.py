@@ -18,7 +18,7 @@ server's batch changes a row's numbers). Results in docs/batching.md.
 
     python benchmarks/bench_batching_servers.py [--tokens 64] [--repeats 3]
         [--checkpoint demo|real-width] [--weights DIR] [--drafter DIR|none]
-        [--dspark-modes off,on,auto] [--dspark-cmd 'PYTHON -m mlx_dspark.cli serve']
+        [--dspark-modes off,on,auto] [--dspark-python PYTHON]
         [--dspark-args '...'] [--json]
 """
 
@@ -28,15 +28,14 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from mlx_dspark.testing.server import launch
 
 CODE = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):",
         "class Stack:\n    def __init__(self):", "def quicksort(xs):",
@@ -84,26 +83,6 @@ def real_width_weights(out: Path) -> Path:
         shutil.copy(DEMO / "target" / name, hf / name)
     shutil.rmtree(out / "src")
     return mlx_lm_convert(hf, out / "mlx-lm-fp32", dtype="float32")
-
-
-def launch(argv: list[str], log, cwd: str, timeout: float = 300.0):
-    """Start ``argv --port P`` in ``cwd`` on a free port of 127.0.0.1; the process and its URL
-    once ``/health`` answers 200. (``python -m`` imports from its working directory first: run
-    from this checkout, another checkout's ``--dspark-cmd`` would import this one.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([*argv, "--port", str(port)], stdout=log, stderr=log, cwd=cwd)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{shlex.join(argv)} did not start (exit status {proc.wait()})")
 
 
 def stream_completion(client, prompt: str, max_tokens: int, t0: float | None = None):
@@ -205,15 +184,15 @@ def table(rows: list[dict], reference: str) -> str:
 
 
 def servers(args, weights: Path) -> dict:
-    """name -> the command line of each server, mlx-lm's first (the reference)."""
+    """name -> (interpreter, module and flags) of each server, mlx-lm's first (the reference)."""
     from mlx_dspark.api import DEMO
-    dspark = shlex.split(args.dspark_cmd) + ["--model", str(weights), "--drafter",
-                                             args.drafter or str(DEMO / "drafter"),
-                                             "--dtype", "float32"] + shlex.split(args.dspark_args)
-    out = {"mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(weights)]}
+    dspark = ["--model", str(weights), "--drafter", args.drafter or str(DEMO / "drafter"),
+              "--dtype", "float32", *shlex.split(args.dspark_args)]
+    out = {"mlx_lm.server": (sys.executable, ("mlx_lm", "server"), ["--model", str(weights)])}
     for mode in args.dspark_modes.split(","):
-        out[shlex.join(["mlx-dspark", *shlex.split(args.dspark_args), "--speculative", mode])] = \
-            dspark + ["--speculative", mode]
+        name = shlex.join(["mlx-dspark", *shlex.split(args.dspark_args), "--speculative", mode])
+        out[name] = (args.dspark_python, ("mlx_dspark.cli", "serve"),
+                     dspark + ["--speculative", mode])
     return out
 
 
@@ -224,11 +203,12 @@ def servers_main(args):
         commands = servers(args, weights)
         sets = prompt_sets(args.repeats + 1)
         measured, loads = {}, {}
-        for name, argv in commands.items():
+        for name, (python, module, flags) in commands.items():
             log_path = Path(tmp) / f"{len(measured)}.log"
             with open(log_path, "wb") as log:
-                try:
-                    proc, url = launch(argv, log, tmp)
+                try:                 # outside this checkout: `python -m` imports from the cwd
+                    proc, url = launch(flags, 300, module, python, stdout=log, stderr=log,
+                                       cwd=tmp)
                 except RuntimeError:
                     sys.stderr.write(log_path.read_text(errors="replace")[-2000:])
                     raise
@@ -261,8 +241,8 @@ def servers_main(args):
           f"{args.repeats} rounds after a warm-up, {blas()}, {os.cpu_count()} cores, load "
           f"average after each server: "
           + ", ".join(f"{n} {v:.1f}" for n, v in loads.items()))
-    for name, argv in commands.items():
-        print(f"  {name}: {shlex.join(argv)}")
+    for name, (python, module, flags) in commands.items():
+        print(f"  {name}: {shlex.join([python, '-m', *module, *flags])}")
     print()
     print(table(rows, reference))
     print()
@@ -296,9 +276,9 @@ def main(argv=None):
     ap.add_argument("--dspark-modes", default=",".join(DSPARK_MODES),
                     help="the --speculative modes mlx-dspark runs in (default off,on,auto; the "
                          "first is the texts' reference)")
-    ap.add_argument("--dspark-cmd", default=f"{shlex.quote(sys.executable)} -m mlx_dspark.cli "
-                                            "serve",
-                    help="how to start mlx-dspark serve (another checkout's interpreter)")
+    ap.add_argument("--dspark-python", default=sys.executable, metavar="PYTHON",
+                    help="the interpreter that runs mlx-dspark serve (another checkout's venv; "
+                         "default this one)")
     ap.add_argument("--dspark-args", default="", help="more flags for mlx-dspark serve, such as "
                                                       "'--max-batch 8'")
     servers_main(ap.parse_args(argv))

@@ -9,15 +9,17 @@ import time
 import urllib.request
 
 
-def launch(flags=(), timeout: float = 180.0, command=("mlx_dspark.cli", "serve"), **popen):
+def launch(flags=(), timeout: float = 180.0, command=("mlx_dspark.cli", "serve"),
+           python: str = sys.executable, **popen):
     """Start ``mlx-dspark serve FLAGS`` in a child process on a free port of 127.0.0.1 and
     wait until it answers ``/health``; returns the process and the base URL (for tests,
     benchmarks and scripts that drive a real server). ``command``: the module (and its
-    arguments) run instead, such as ``("mlx_dspark.testing.scripted", REPLIES)``."""
+    arguments) run instead, such as ``("mlx_dspark.testing.scripted", REPLIES)`` or
+    ``("mlx_lm", "server")``; ``python``: the interpreter that runs it (another checkout's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", *command, "--port", str(port), *flags],
+    proc = subprocess.Popen([python, "-m", *command, "--port", str(port), *flags],
                             **popen)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -28,7 +30,7 @@ def launch(flags=(), timeout: float = 180.0, command=("mlx_dspark.cli", "serve")
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"mlx-dspark serve {' '.join(flags)} did not start (exit status "
+    raise RuntimeError(f"{' '.join(command)} {' '.join(flags)} did not start (exit status "
                        f"{proc.wait()})")
 
 
