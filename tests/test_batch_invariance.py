@@ -25,10 +25,12 @@ from mlx_dspark.request import Request, RequestError, Thinking
 from mlx_dspark.stats import Stats
 
 def _openblas() -> bool:
-    """Whether OpenBLAS serves this process's BLAS calls (preloaded in place of MLX's own)."""
+    """Whether OpenBLAS serves this process's BLAS calls (preloaded in place of MLX's own;
+    numpy's private copy, libscipy_openblas, serves numpy alone)."""
     try:
         with open("/proc/self/maps") as maps:
-            return "openblas" in maps.read().lower()
+            return any("openblas" in line and "scipy_openblas" not in line
+                       for line in maps.read().lower().splitlines())
     except OSError:
         return False
 
@@ -238,3 +240,87 @@ def test_a_row_whose_session_another_call_takes_ends_stale_and_the_others_go_on(
     assert got[1] == want[1] and got[0] == want[0][:len(got[0])] and len(got[0]) < 16
     # the stale row stepped no more on the session: it holds the other call's sequence
     assert sessions[0].tokens == list(other.prompt) + taken[:-1]
+
+
+def _cache(session: Session) -> list:
+    """A session's target cache as plain values, to compare bitwise: its offset, and each
+    layer's keys and values (to its offset) or conv window and SSM state."""
+    out = [session.cache.offset]
+    for c in session.cache.layers:
+        arrays = () if c is None else c.state() if hasattr(c, "state") and c.keys is not None \
+            else (c.conv, c.ssm) if hasattr(c, "ssm") else ()
+        out.append([None if x is None else x.tolist() for x in arrays])
+    return out
+
+
+def _alone_sessions(pair, requests):
+    sessions = [Session(pair.target, pair.drafter) for _ in requests]
+    return [list(decode(s, r)) for s, r in zip(sessions, requests)], sessions
+
+
+@pytest.mark.skipif(OPENBLAS, reason="the batched forward is bitwise alone's on stock BLAS")
+@pytest.mark.parametrize("at_the_end", [False, True])
+def test_pipelined_rows_that_stop_or_reach_max_tokens_leave_every_cache_as_alone(monkeypatch,
+                                                                                at_the_end):
+    # serial rows build each batched step ahead; a stop token read mid-pipeline (the others
+    # step on without the row) or at the batch's last step, and the rows reaching max_tokens,
+    # leave each row's caches as alone's: the parts built ahead undone
+    pair = md.load()
+    free = make_request(pair, PROMPTS[0], max_tokens=24, speculative="off")
+    stop_at = alone(pair, [free])[0][6]
+    stopper = make_request(pair, PROMPTS[0], max_tokens=24, speculative="off", stop=[stop_at])
+    requests = [stopper, make_request(pair, PROMPTS[1], max_tokens=5 if at_the_end else 9,
+                                      speculative="off")]
+    requests += [stopper] if at_the_end else [
+        make_request(pair, PROMPTS[2], max_tokens=24, speculative="off"), free]
+    want, alone_sessions = _alone_sessions(pair, requests)
+    assert want[0][-1] == stop_at and len(want[0]) == 7
+    rewinds = []
+    rewind = type(alone_sessions[0].cache).rewind
+    monkeypatch.setattr(type(alone_sessions[0].cache), "rewind",
+                        lambda cache, mark: rewinds.append(mark) or rewind(cache, mark))
+    sessions = [Session(pair.target, pair.drafter) for _ in requests]
+    batch = Batch()
+    rows = [batch.add(s, r) for s, r in zip(sessions, requests)]
+    got = [list(r.tokens) for r in rows]
+    pipelined = 0
+    while batch.rows:
+        for row in batch.step():
+            got[rows.index(row)] += row.tokens
+        pipelined += len(batch.rows) > 1 and all(r.run.session.ahead is not None
+                                                  for r in batch.rows)
+    assert got == want
+    assert pipelined >= 4 and len(rewinds) >= 2     # the stop rows' parts and the others'
+    assert all(s.ahead is None for s in sessions)
+    assert [_cache(s) for s in sessions] == [_cache(s) for s in alone_sessions]
+
+
+@pytest.mark.skipif(OPENBLAS, reason="the batched forward is bitwise alone's on stock BLAS")
+def test_rows_joining_or_leaving_between_pipelined_steps_leave_every_cache_as_alone():
+    pair = md.load()
+    requests = [make_request(pair, p, max_tokens=24, speculative="off") for p in PROMPTS]
+    want, alone_sessions = _alone_sessions(pair, requests)
+    sessions = [Session(pair.target, pair.drafter) for _ in requests]
+    batch = Batch()
+    rows = [batch.add(s, r) for s, r in zip(sessions[:2], requests[:2])]
+    got = [list(r.tokens) for r in rows]
+    for step in range(60):
+        if step == 3:
+            assert sessions[1].ahead is not None        # its part of the step built ahead
+            batch.remove(rows[1])                       # a client leaves
+            assert sessions[0].ahead is None            # the other's part undone with it
+        if step in (6, 8):                              # others join
+            rows.append(batch.add(sessions[len(rows)], requests[len(rows)]))
+            got.append(list(rows[-1].tokens))
+        for row in batch.step():
+            got[rows.index(row)] += row.tokens
+        if not batch.rows:
+            break
+    assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert [_cache(sessions[i]) for i in (0, 2, 3)] == \
+        [_cache(alone_sessions[i]) for i in (0, 2, 3)]
+    # the row that left holds what it fed, as alone when its request ends there
+    left = got[1]
+    cut, cut_session = _alone_sessions(pair, [make_request(pair, PROMPTS[1], max_tokens=len(left),
+                                                           speculative="off")])
+    assert left == cut[0] and _cache(sessions[1]) == _cache(cut_session[0])

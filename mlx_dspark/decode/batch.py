@@ -23,8 +23,9 @@ from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, constraint as constraints
 from .batch_control import BatchControl, SizeControl, cohort
-from .loop import (_emit, _first, _serial, _speculate, first_steps, pick, round_steps,
-                   undo_ahead)
+from .loop import Ahead as RowAhead
+from .loop import (_emit, _first, _serial, _speculate, builds_ahead, first_steps, pick,
+                   round_steps, undo_ahead)
 from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
@@ -53,6 +54,36 @@ class Row:
         return self.run.stats
 
 
+@dataclass(eq=False)
+class Ahead:
+    """A batched serial step built before the tokens it feeds were read (the loop's step
+    ahead, for rows stepping together): the rows it steps, in order, the layers they tap, their
+    picks stacked (lazy) and when the step before it was read. Each row's own part (a
+    loop.Ahead: its token, taps, logits and cache mark) is its session's ``ahead``, so whatever
+    undoes a session's step ahead undoes the row's part (a stop token, remove, another call on
+    the session); the batch undoes the others' once one is gone, or when its next step is not
+    this one (a row joined, a round planned)."""
+
+    rows: list[Row]
+    taps: tuple
+    picks: mx.array
+    parts: list[RowAhead]
+    since: float = 0.0
+
+    def whole(self) -> bool:
+        """Whether every row's part is still its session's step ahead."""
+        return all(row.run.session.ahead is part for row, part in zip(self.rows, self.parts))
+
+    def steps(self, rows: list[Row], n: int, taps) -> bool:
+        """Whether this is the step ``rows`` take next (``n`` drafts, tapping ``taps``)."""
+        return not n and taps == self.taps and rows == self.rows and self.whole()
+
+    def undo(self):
+        for row, part in zip(self.rows, self.parts):
+            if row.run.session.ahead is part:
+                undo_ahead(row.run.session)
+
+
 class Batch:
     """Rows stepped together. :meth:`add` a session and its request (the prompt is prefilled
     and the first token chosen at once), :meth:`step` every row by one serial step or one
@@ -62,6 +93,7 @@ class Batch:
     def __init__(self):
         self.rows: list[Row] = []
         self.control = BatchControl()   # what "auto" rows stepping together decide on
+        self.ahead: list[Ahead] = []      # the batched serial steps built ahead
 
     def add(self, session: Session, request: Request, stats: Stats | None = None) -> Row:
         row = self._start(session, request, stats)
@@ -120,6 +152,7 @@ class Batch:
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
         self.rows.remove(row)
         undo_ahead(row.run.session)
+        self._keep_whole()
 
     def step(self) -> list[Row]:
         """Advance every row by one step; returns the rows that stepped (each with the tokens
@@ -131,16 +164,20 @@ class Batch:
             except StaleGenerator as e:
                 row.room, row.error, row.tokens = None, e, []
         rows = [r for r in self.rows if not r.done]
-        plans, deciding = self._plans(rows)
+        ahead, self.ahead = self.ahead, []
+        plans, deciding = self._plans(rows, {id(part) for a in ahead for part in a.parts})
         plans = sorted((plans[id(row)], i) for i, row in enumerate(rows))
-        for (n, taps, tag), group in groupby(plans, key=lambda plan: plan[0]):
-            group = [rows[i] for _, i in group]
+        groups = [(key, [rows[i] for _, i in group])
+                  for key, group in groupby(plans, key=lambda plan: plan[0])]
+        taken = _taken(ahead, groups)
+        for i, ((n, taps, tag), group) in enumerate(groups):
             if len(group) == 1 and not n:       # alone: the loop's serial step, built ahead
                 row, token = group[0], group[0].tokens[-1]
                 self._emit(row, lambda: [_serial(row.run, token, row.room)])
                 continue
-            for row in group:
-                undo_ahead(row.run.session)     # built while it stepped alone
+            if i not in taken:
+                for row in group:
+                    undo_ahead(row.run.session)     # built while it stepped alone
             # a cohort's step prices its size's costs when it ran as one forward (rows near
             # their max_tokens may draft fewer than the others, and so verify apart)
             control, members = deciding.get(tag, (None, ()))
@@ -148,17 +185,27 @@ class Batch:
             if n:
                 self._rounds(group, n, taps, control)
             else:
-                self._serial(group, taps, control)
+                self._serial(group, taps, control, taken.get(i))
         for row in rows:
             row.run.note_mode()
         self.rows = [r for r in self.rows if not r.done]
+        self._keep_whole()
         return rows
 
-    def _plans(self, rows: list[Row]) -> tuple[dict, dict]:
+    def _keep_whole(self):
+        """Undo each batched step built ahead that lost a row's part (the row ended or left):
+        the others' parts too, so that each row steps on as it would alone."""
+        for a in self.ahead:
+            if not a.whole():
+                a.undo()
+        self.ahead = [a for a in self.ahead if a.whole()]
+
+    def _plans(self, rows: list[Row], batched: set[int]) -> tuple[dict, dict]:
         """Each row's next step as a group key (drafts, tapped layers, cohort tag), and the
         controller deciding for each tag of two or more rows "auto" decides for together
         (batch_control.py), with its rows. A row alone in its cohort decides by its own
-        controller, as alone."""
+        controller, as alone. ``batched``: the ids of the rows' parts of batched steps built
+        ahead, which decide nothing (each is taken only where this plan steps its rows)."""
         cohorts: dict[tuple, list[Row]] = {}
         for row in rows:
             key = cohort(row.run)
@@ -176,27 +223,39 @@ class Batch:
                 row.run.pooled, row.run.batch = control, len(members)
                 plans[id(row)] = (min(n, row.room - 1), key[1], tag)
         for row in rows:
-            plans.setdefault(id(row), _plan(row) + (0,))
+            plans.setdefault(id(row), _plan(row, batched) + (0,))
         return plans, deciding
 
-    def _serial(self, rows: list[Row], taps, control: SizeControl | None = None):
-        """One forward feeds every row its last token; each chooses its next one (the
-        forward's time goes to the ``control`` of a cohort stepping together)."""
-        t0 = time.perf_counter()
-        target = rows[0].run.session.target
+    def _serial(self, rows: list[Row], taps, control: SizeControl | None = None,
+                ahead: Ahead | None = None):
+        """One forward feeds every row its last token (``ahead``: the one built at the last
+        step); each chooses its next one. As loop._serial, within a serial stretch the forward
+        after it is built on the picks and queued before they are read, for the rows that
+        would build it alone (the others end or draft next: they leave the group), unless a
+        row's constraint must read this step's token first (it stays: none is built). The
+        forward's time goes to the ``control`` of a cohort stepping together."""
         last = [row.tokens[-1] for row in rows]
-        logits, tapped = target.step_rows(mx.array(last, dtype=mx.int32)[:, None],
-                                          [row.run.session.cache for row in rows], taps)
-        picks = []
-        for i, (row, token) in enumerate(zip(rows, last)):
-            run, logit = row.run, logits[i, -1:]
-            picks.append(pick(run, logit, len(run.session.tokens) + 1, run.before(token),
-                              run.constraint.allowed(logit)))
-            run.session.feed([token], None if tapped is None else tapped[i])
-        read = mx.stack(picks).tolist()
-        seconds = time.perf_counter() - t0
-        for i, (row, token) in enumerate(zip(rows, read)):
-            self._emit(row, lambda: _serial_read(row.run, token, logits[i, -1:], seconds))
+        if ahead is None:
+            t0 = time.perf_counter()
+            picks, parts = _forward(rows, mx.array(last, dtype=mx.int32), last, taps)
+            mx.async_eval(picks)
+        else:
+            t0, picks, parts = ahead.since, ahead.picks, ahead.parts
+        for row, token, part in zip(rows, last, parts):
+            row.run.session.ahead = None
+            row.run.session.feed([token], part.taps)
+        on = [(row, part) for row, part in zip(rows, parts)
+              if builds_ahead(row.run, row.room, row.run.pooled)]
+        built = _build(on, taps) if len(on) >= 2 and all(
+            row.run.constraint.lookahead for row in rows) else None
+        read = picks.tolist()
+        t_read = time.perf_counter()
+        seconds = t_read - t0
+        if built is not None:
+            built.since = t_read
+            self.ahead.append(built)
+        for row, token, part in zip(rows, read, parts):
+            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds))
         if control is not None:
             control.observe_serial(seconds)
 
@@ -235,14 +294,60 @@ class Batch:
             row.room = end.value
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:   # RequestError: a
             row.room, row.error = None, e                # grammar past llguidance's limits
+        run = row.run
+        if row.done and run.session.generation == run.call.generation:
+            undo_ahead(run.session)     # it ended (a stop token is emitted, never fed)
 
 
-def _plan(row: Row) -> tuple[int, tuple]:
+def _taken(ahead: list[Ahead], groups: list) -> dict[int, Ahead]:
+    """The batched serial steps built ahead that ``groups`` (group keys and rows) take, by the
+    group's index; the others are undone (the batch changed: not the step they built)."""
+    taken = {}
+    for a in ahead:
+        i = next((i for i, ((n, taps, _), rows) in enumerate(groups) if a.steps(rows, n, taps)),
+                 None)
+        if i is None:
+            a.undo()
+        else:
+            taken[i] = a
+    return taken
+
+
+def _forward(rows: list[Row], tokens: mx.array, before: list, taps):
+    """One batched serial step, lazy: row ``i`` fed ``tokens[i]`` (``before[i]``: the same
+    token, an int or the last step's lazy pick) picks its next token. Returns the picks
+    stacked and each row's part (its pick, taps, logits row and the cache mark before it)."""
+    marks = [row.run.session.cache.mark() for row in rows]
+    logits, tapped = rows[0].run.session.target.step_rows(
+        tokens[:, None], [row.run.session.cache for row in rows], taps)
+    parts = []
+    for i, (row, token, mark) in enumerate(zip(rows, before, marks)):
+        run, logit = row.run, logits[i, -1:]
+        chosen = pick(run, logit, len(run.session.tokens) + 1, run.before(token),
+                      run.constraint.allowed(logit))
+        parts.append(RowAhead(chosen, None if tapped is None else tapped[i], logit, mark))
+    return mx.stack([part.token for part in parts]), parts
+
+
+def _build(on: list[tuple[Row, RowAhead]], taps) -> Ahead:
+    """Build and queue the batched serial step that feeds each row its pick (lazy) in
+    ``on`` (rows and their parts of this step), before they are read."""
+    rows, tokens = [row for row, _ in on], [part.token for _, part in on]
+    picks, parts = _forward(rows, mx.stack(tokens), tokens, taps)
+    for row, part in zip(rows, parts):
+        row.run.session.ahead = part
+    mx.async_eval(picks)
+    return Ahead(rows, taps, picks, parts)
+
+
+def _plan(row: Row, batched: set[int]) -> tuple[int, tuple]:
     """What ``row`` does next by its own controller, as a group key: the drafts of its round
-    (0: a serial step), and the target layers it taps. A serial step built ahead is taken,
-    as the loop takes it (it was built on the controller's word that a serial step follows)."""
+    (0: a serial step), and the target layers it taps. A serial step built ahead alone is
+    taken, as the loop takes it (it was built on the controller's word that a serial step
+    follows); a row's part of a batched one (its id in ``batched``) is not a decision."""
     run = row.run
-    speculate = run.session.ahead is None and _speculate(run, row.room)
+    alone = run.session.ahead is not None and id(run.session.ahead) not in batched
+    speculate = not alone and _speculate(run, row.room)
     n = min(run.control.length(), row.room - 1) if speculate else 0
     return n, tuple(run.session.tap_layers or ()) if run.tap else ()
 

@@ -231,9 +231,22 @@ def _emit(run: Run, out: list[int]):
     return room
 
 
-def _speculate(run: Run, room: int) -> bool:
-    """Whether the next step (with ``room`` tokens left to generate) is a speculative round."""
-    return run.use_drafter and room >= 2 and run.control.speculate_next()
+def _speculate(run: Run, room: int, control=None) -> bool:
+    """Whether the next step (with ``room`` tokens left to generate) is a speculative round,
+    by ``control`` (the controller deciding for the run: its own unless a batch's)."""
+    control = run.control if control is None else control
+    return run.use_drafter and room >= 2 and control.speculate_next()
+
+
+def builds_ahead(run: Run, room: int, control=None) -> bool:
+    """Whether a serial step with ``room`` tokens left builds the step after it ahead: that
+    one is a serial step too (by ``control``, as :func:`_speculate`), within a serial stretch
+    (while speculating, a serial step is a single cost refresh), and the constraint masks it
+    without this step's token read."""
+    control = run.control if control is None else control
+    return room >= 2 and run.constraint.lookahead \
+        and not (run.use_drafter and control.speculating) \
+        and not _speculate(run, room - 1, control)
 
 
 def _serial(run: Run, token: int, room: int) -> int:
@@ -249,9 +262,7 @@ def _serial(run: Run, token: int, room: int) -> int:
     else:
         t0, nxt, taps, row = ahead.since, ahead.token, ahead.taps, ahead.row
     session.feed([token], taps)
-    if room >= 2 and run.constraint.lookahead \
-            and not (run.use_drafter and run.control.speculating) \
-            and not _speculate(run, room - 1):
+    if builds_ahead(run, room):
         build_ahead(run, nxt)
     nxt = finite(nxt.item(), session)     # (not finite: the session, step ahead and all, is reset)
     t_read = time.perf_counter()
