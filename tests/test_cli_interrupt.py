@@ -28,6 +28,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 GENERATE = [SCRIPT, "generate", "--ignore-chat-template", "-m", "3", "--speculative", "off"]
 # about 3,000 tokens of the demo tokenizer: several seconds of prefill on 2 cores
 LONG = " ".join(f"def f{i}(x): return x + {i}" for i in range(200))
+# about 8,800 tokens: on a quiet machine (1,400 tokens/s) the rest of the prefill, after the
+# first progress line at one second, still takes seconds, so stopping within a piece shows
+LONGER = " ".join(f"def f{i}(x): return x + {i}" for i in range(600))
 PROGRESS = re.compile(r"prefill (\d+)/(\d+) tokens, (\d+) tokens/s, about (\d+) s left")
 
 
@@ -52,7 +55,7 @@ def _until_progress(proc) -> re.Match:
 def test_ctrl_c_in_generate_during_the_prefill_stops_within_a_piece_and_exits_130():
     proc = subprocess.Popen(GENERATE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
-    proc.stdin.write(LONG)
+    proc.stdin.write(LONGER)
     proc.stdin.close()
     m = _until_progress(proc)          # shown once the prefill has taken a second
     done, total, rate = int(m[1]), int(m[2]), int(m[3])
@@ -177,3 +180,33 @@ def test_the_meter_stops_an_unfinished_prefill_after_ctrl_c(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         meter(512, 2000, 0.4)
     meter(2000, 2000, 1.5)         # done: the first token comes, and stops the answer
+
+
+FINALIZER = """
+import time
+from mlx_dspark.cli.interrupted import arm
+arm()
+class Slow:
+    def __del__(self):
+        print("in __del__", flush=True)
+        time.sleep(1.0)
+slow = Slow()
+try:
+    del slow
+    time.sleep(5)
+    print("went on", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_raised_once_it_returns():
+    # Python prints an exception raised in __del__ as "ignored" and goes on: with its own
+    # handler this Ctrl-C (as one landing in the regex package's finalizer while a tokenizer
+    # loads) printed a traceback and was lost
+    proc = subprocess.Popen([sys.executable, "-c", FINALIZER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "in __del__\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert out == "interrupted\n" and "Exception ignored" not in err, (out, err)

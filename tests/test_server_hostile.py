@@ -5,6 +5,7 @@ benchmarks/bench_hostile.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -118,10 +119,13 @@ def test_the_api_key_matches_as_utf8_bytes(server):
 def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
     url, _ = server
     before = _health(url)["cancelled"]
-    body = b'{"messages": [{"role": "user", "content": "import os"}], "max_tokens": 100000}'
+    # a 9,000-token prompt: seconds of prefill even on a quiet machine, where the demo's
+    # short chat answers (58 tokens, 0.2 s) would end before the client leaves
+    body = json.dumps({"messages": [{"role": "user", "content": "import os\n" * 3000}],
+                       "max_tokens": 100000}).encode()
     with socket.create_connection(("127.0.0.1", _port(url))) as s:
         s.sendall(_request(body, KEY.encode()))
-        time.sleep(0.5)                         # generating
+        time.sleep(0.5)                         # prefilling
     deadline = time.monotonic() + 10
     while _health(url)["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -5,13 +5,14 @@ Nothing but interrupted.py (the standard library's) is imported here before ``ma
 that a Ctrl-C at any moment of the start, the imports included, ends the command as one
 anywhere else does: one line, exit code 130."""
 
-from .interrupted import interrupted
+from .interrupted import arm, interrupted
 
 __all__ = ["CommandError", "build_parser", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``mlx-dspark`` command (main.py), from its first import on."""
+    arm()
     try:
         from .main import main as run
     except KeyboardInterrupt:

@@ -239,11 +239,11 @@ class Engine:
         if chunk.finish_reason is not None and job.request.logprobs is not None:
             job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
                                                    tokens, chunk.stats.logprobs))
-        job.emit("chunk", chunk)
-        if chunk.stats.finish_detail == "context":
+        if chunk.stats.finish_detail == "context":     # logged before the client hears it
             log.warning("a reply ended at the model's context limit (%s tokens: %d of "
                         "prompt, %d generated)", self.pair.target.context_limit,
                         chunk.stats.prompt_tokens, chunk.stats.generated)
+        job.emit("chunk", chunk)
         if job.cancelled.is_set() and chunk.finish_reason is None:
             self.cancelled += 1
             job.emit("error", CANCELLED)   # ends a handler still waiting for it
