@@ -7,7 +7,10 @@ target-regenerated data:
 * ``corpus``: a GEN_PREFIX-token corpus prefix, then the target's greedy continuation;
 * ``chat``: a chat task's prompt (chat_data.py, rendered by the chat template), then the
   target's greedy answer; when the answer ends (eos), the next task's prompt follows, as the
-  next turn of a `chat` session would, until the window is full.
+  next turn of a `chat` session would, until the window is full;
+* ``text``: the first few words of an English comment line of the split (``# Return the
+  ...``), then the target's greedy continuation: what a short prose prompt (measure_pair's
+  text kind) makes this code model write.
 
 Cached as .npy in training/work/, keyed by the converted target's weight hash, so a new target
 regenerates them. Runtime's Python (with the `train` extra for the chat template):
@@ -15,6 +18,7 @@ regenerates them. Runtime's Python (with the `train` extra for the chat template
     .venv-train/bin/python training/greedy_windows.py     # builds the default sets
 """
 import hashlib
+import re
 
 import numpy as np
 
@@ -42,6 +46,21 @@ def corpus_window(md, pair, stream, start):
     return ids if len(ids) == SEQ_LEN else None   # ended at eos early: drawn again
 
 
+def text_prefixes(split: str) -> list:
+    """Openings of the split's comment lines that read as prose: a capitalized word, then at
+    least three lower-case ones (deduplicated, sorted: the draw is seeded)."""
+    text = (WORK / f"{split}.txt").read_text(encoding="utf-8")
+    return sorted(set(re.findall(r"^[ \t]*# ([A-Z][a-z]+(?: [a-z]+){3,})", text, re.M)))
+
+
+def text_window(md, pair, prefix):
+    from mlx_dspark.text.tokenizer import prompt_ids
+
+    ids = prompt_ids(pair.tokenizer, prefix)   # as generate encodes a str prompt
+    ids += md.generate(pair, ids, max_tokens=SEQ_LEN - len(ids), speculative=False).tokens
+    return ids if len(ids) == SEQ_LEN else None   # ended at eos early: drawn again
+
+
 def chat_window(md, pair, split, first):
     eos = chat_data.tokenizer().eos_token_id
     ids, i = [], first
@@ -53,7 +72,7 @@ def chat_window(md, pair, split, first):
 
 
 def windows(kind: str, n: int, split: str = "train", seed: int = 0) -> np.ndarray:
-    """[n, SEQ_LEN] token ids of ``kind`` (``corpus`` or ``chat``), cached."""
+    """[n, SEQ_LEN] token ids of ``kind`` (``corpus``, ``chat`` or ``text``), cached."""
     path = WORK / f"greedy_{kind}_{split}_{n}_{seed}_{target_key()}.npy"
     if path.exists():
         return np.load(path).astype(np.int64)
@@ -64,6 +83,13 @@ def windows(kind: str, n: int, split: str = "train", seed: int = 0) -> np.ndarra
         g = np.random.default_rng([seed, 77])
         while len(rows) < n:
             row = corpus_window(md, pair, stream, int(g.integers(0, len(stream) - SEQ_LEN)))
+            if row is not None:
+                rows.append(row)
+    elif kind == "text":
+        prefixes, g = text_prefixes(split), np.random.default_rng([seed, 78])
+        while len(rows) < n:
+            words = prefixes[int(g.integers(len(prefixes)))].split()
+            row = text_window(md, pair, " ".join(words[:int(g.integers(2, 5))]))
             if row is not None:
                 rows.append(row)
     else:

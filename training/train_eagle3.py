@@ -8,7 +8,9 @@ embedding is the target's (not saved: the runtime borrows it). Features and obje
 the MTP block (train_mtp.py: the MLX runtime's taps, the target's own next-next-token
 distribution), trained over K drafting steps (``--ttt``, training-time test: steps after the
 first take the layer's own output, as drafting does, train_mtp.unroll); ``lm_head`` starts from
-the target's, ``norm`` from ``norm_f`` (or all from an exported head, ``--init``).
+the target's, ``norm`` from ``norm_f`` (or all from an exported head, ``--init``). ``--text``
+adds that many greedy windows of the ``text`` kind (the target continuing a few English words,
+greedy_windows.py) to the mix.
 
     TRAIN_THREADS=1 .venv-train/bin/python training/train_eagle3.py --ttt 3 --steps 700 --windows 192
     mlx-dspark convert training/work/eagle3_export -o mlx_dspark/demo/eagle3
@@ -124,11 +126,16 @@ class Eagle3(torch.nn.Module):
 
 
 def main():
-    args = arguments(__doc__)
+    import greedy_windows
+
+    args = arguments(__doc__, text=0)
     t0 = time.time()
-    ids, taps, top_p, top_i, target = features(training_windows(args.windows, "train"), TAPS)
+    windows = training_windows(args.windows, "train")
+    if args.text:
+        windows += greedy_windows.windows("text", args.text, "train").tolist()
+    ids, taps, top_p, top_i, target = features(windows, TAPS)
     held = held_out(TAPS)
-    print(f"features: {args.windows} + 16 held-out windows in {time.time() - t0:.0f} s", flush=True)
+    print(f"features: {len(windows)} + 16 held-out windows in {time.time() - t0:.0f} s", flush=True)
     vocab, hidden = target.config.vocab_size, target.config.hidden_size
     model = Eagle3(target)
     del target
