@@ -182,15 +182,24 @@ def test_the_meter_stops_an_unfinished_prefill_after_ctrl_c(monkeypatch):
     meter(2000, 2000, 1.5)         # done: the first token comes, and stops the answer
 
 
-FINALIZER = """
-import time
+DROPPED = """
+import sys, time, weakref
 from mlx_dspark.cli.interrupted import arm
 arm()
 class Slow:
     def __del__(self):
-        print("in __del__", flush=True)
+        print("in it", flush=True)
         time.sleep(1.0)
-slow = Slow()
+class Thing:
+    pass
+def callback(ref):
+    print("in it", flush=True)
+    time.sleep(1.0)
+if sys.argv[1] == "finalizer":
+    slow = Slow()
+else:
+    slow = Thing()
+    ref = weakref.ref(slow, callback)
 try:
     del slow
     time.sleep(5)
@@ -200,13 +209,15 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_ctrl_c_that_lands_in_a_finalizer_is_raised_once_it_returns():
-    # Python prints an exception raised in __del__ as "ignored" and goes on: with its own
-    # handler this Ctrl-C (as one landing in the regex package's finalizer while a tokenizer
-    # loads) printed a traceback and was lost
-    proc = subprocess.Popen([sys.executable, "-c", FINALIZER], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "in __del__\n"
+@pytest.mark.parametrize("where", ["finalizer", "weakref callback"])
+def test_a_ctrl_c_that_python_would_drop_is_raised_once_it_can_be(where):
+    # Python prints an exception raised in a finalizer or a weakref callback as "ignored" and
+    # goes on: with its own handler alone such a Ctrl-C (as one landing in the regex package's
+    # __del__ or importlib's module-lock callback while a tokenizer loads) printed a traceback
+    # and was lost
+    proc = subprocess.Popen([sys.executable, "-c", DROPPED, where.split()[0]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "in it\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert out == "interrupted\n" and "Exception ignored" not in err, (out, err)
