@@ -24,6 +24,7 @@ from ..prompt_cache.cache import PromptCache
 from ..request import NonFiniteLogits, RequestError
 from ..stats import format_progress
 from . import logprobs
+from .batching import Rows
 from .errors import ApiError
 from .job import CANCELLED, Job, Left
 
@@ -144,7 +145,6 @@ class Engine:
             if self._cache_bytes > 0 or store is not None:
                 self.cache = PromptCache(self._cache_bytes, store)
             if self.max_batch > 1:
-                from .batching import Rows
                 self.rows = Rows(self, self.max_batch)
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
