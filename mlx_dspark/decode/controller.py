@@ -66,6 +66,7 @@ REMEASURE_BUDGET = 0.01  # the same when no content could pay: probes only re-me
 REFRESH = 8       # speculative rounds between serial cost refreshes
 PRIOR = 0.5       # acceptance prior, in tests: one success already says 0.83
 EXPLORE = 16      # num_draft="auto": every 16th round drafts one more than the best length
+TESTED = 0.1      # num_draft="auto": a position counts as tested lately above this decayed count
 MIN_SAMPLES = 1   # measurements of each cost before any switch (each warm-up round costs)
 
 
@@ -113,11 +114,27 @@ class Controller:
             out.append(prior)
         return out
 
+    def reach(self) -> int:
+        """The longest draft length "auto" may choose: one past the deepest position tested
+        lately (its decayed count above ``TESTED``). A position never tested is estimated as
+        the one before it, which after a few accepted rounds says every position is accepted:
+        measured on the demo pair, "auto" then jumped from 2 drafts to 5 in a request's fourth
+        round, and such a round, rejected early, cost more than a 48-token request's choice
+        gained; so the length grows one position at a time, as the evidence does."""
+        tested = sum(1 for t in self.tested if t > TESTED)
+        return max(1, min(self.num_draft, tested + 1))
+
+    def choice(self) -> tuple[int, float]:
+        """The draft length with the most expected tokens per unit of cost within
+        :meth:`reach`, and that rate (tokens per serial step)."""
+        n = self.reach()
+        return best_length(self.alpha()[:n], self.curve.costs()[:n])
+
     def best(self) -> int:
         """The draft length with the most expected tokens per unit of cost."""
         if self.curve is None:
             return self.num_draft
-        return best_length(self.alpha(), self.curve.costs())[0]
+        return self.choice()[0]
 
     def length(self) -> int:
         """The next round's draft length: :meth:`best`, one more every ``EXPLORE``-th round.
@@ -160,7 +177,7 @@ class Controller:
         if min(len(self.serial_times), len(self.round_ratios)) < MIN_SAMPLES:
             return None
         if self.curve is not None:      # the best length's rate, E / cost, in one pass
-            return best_length(self.alpha(), self.curve.costs())[1]
+            return self.choice()[1]
         return self.expected_tokens() / self.round_cost
 
     # -- decision ----------------------------------------------------------------------------

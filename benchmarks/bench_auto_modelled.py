@@ -1,0 +1,47 @@
+"""``num_draft="auto"`` against every fixed length with each round priced by this machine's
+measured cost curve (tests/fixtures/auto_curves.json) instead of the clock: exact and
+repeatable, so it shows what the choice itself gains or loses, per drafter, BLAS build and
+prompt domain (the bench's prompts, greedy). What tests/test_auto_bound.py asserts, in full:
+
+    python benchmarks/bench_auto_modelled.py [--limit 2] [-m 48] [--drafters dspark,mtp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "auto_curves.json"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--limit", type=int, default=2, help="prompts per domain")
+    ap.add_argument("-m", "--max-tokens", type=int, default=48)
+    ap.add_argument("--drafters", default="dspark,mtp,eagle3,dflash")
+    args = ap.parse_args()
+    import mlx_dspark as md
+    from mlx_dspark.cli.bench import PROMPTS, _ids
+    from mlx_dspark.testing.modelled import rates
+
+    curves = json.loads(FIXTURE.read_text())
+    builds = [b for b in curves if b != "machine"]
+    print("| drafter | build | domain | best fixed N | auto / best | auto / N=3 |")
+    print("|---|---|---|---|---|---|")
+    for name in args.drafters.split(","):
+        pair = md.load(drafter=name)
+        domains = {d: [_ids(pair, d, t) for t in PROMPTS[d][:args.limit]] for d in PROMPTS}
+        domains["all"] = [p for d in PROMPTS for p in domains[d]]
+        for domain, prompts in domains.items():
+            got = rates(pair, prompts, {b: curves[b][name] for b in builds},
+                        max_tokens=args.max_tokens)
+            for b in builds:
+                fixed = {n: r for n, r in got[b].items() if n != "auto"}
+                best = max(fixed, key=fixed.get)
+                print(f"| {name} | {b} | {domain} | {best} | {got[b]['auto'] / fixed[best]:.3f} "
+                      f"| {got[b]['auto'] / fixed[3]:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
