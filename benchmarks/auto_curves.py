@@ -27,14 +27,14 @@ def main():
     args = ap.parse_args()
     import mlx_dspark as md
     from mlx_dspark.decode import costs
+    from mlx_dspark.decode.length import median
 
     curves = {}
     for name in DRAFTERS:
         pair = md.load(drafter=name)
         runs = [costs.calibrate(pair.target, pair.drafter, repeats=5)[1]
                 for _ in range(args.runs)]
-        curves[name] = [round(sorted(r[i] for r in runs)[len(runs) // 2], 3)
-                        for i in range(len(runs[0]))]
+        curves[name] = [round(median(list(at)), 3) for at in zip(*runs)]
         print(name, curves[name], flush=True)
     stored = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
     stored[args.name] = dict(curves, machine=f"{platform.machine()}, {os.cpu_count()} cores, "

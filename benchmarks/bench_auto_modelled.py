@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "auto_curves.json"
+from auto_curves import FIXTURE
 
 
 def main():
@@ -23,10 +22,10 @@ def main():
     args = ap.parse_args()
     import mlx_dspark as md
     from mlx_dspark.cli.bench import PROMPTS, _ids
-    from mlx_dspark.testing.modelled import rates
+    from mlx_dspark.testing.modelled import against_best, rates
 
     curves = json.loads(FIXTURE.read_text())
-    builds = [b for b in curves if b != "machine"]
+    builds = list(curves)            # stock, openblas: one curve per drafter each
     print("| drafter | build | domain | best fixed N | auto / best | auto / N=3 |")
     print("|---|---|---|---|---|---|")
     for name in args.drafters.split(","):
@@ -37,10 +36,9 @@ def main():
             got = rates(pair, prompts, {b: curves[b][name] for b in builds},
                         max_tokens=args.max_tokens)
             for b in builds:
-                fixed = {n: r for n, r in got[b].items() if n != "auto"}
-                best = max(fixed, key=fixed.get)
-                print(f"| {name} | {b} | {domain} | {best} | {got[b]['auto'] / fixed[best]:.3f} "
-                      f"| {got[b]['auto'] / fixed[3]:.3f} |", flush=True)
+                best, ratio = against_best(got[b])
+                print(f"| {name} | {b} | {domain} | {best} | {ratio:.3f} "
+                      f"| {got[b]['auto'] / got[b][3]:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

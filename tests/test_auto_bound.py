@@ -15,7 +15,7 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.cli.bench import PROMPTS, _ids
-from mlx_dspark.testing.modelled import rates
+from mlx_dspark.testing.modelled import against_best, rates
 
 CURVES = json.loads((Path(__file__).parent / "fixtures" / "auto_curves.json").read_text())
 BUILDS = ("stock", "openblas")
@@ -29,6 +29,4 @@ def test_auto_is_within_five_percent_of_the_best_fixed_length_on_this_machines_c
     prompts = [_ids(pair, domain, text) for domain in PROMPTS for text in PROMPTS[domain][:2]]
     got = rates(pair, prompts, {build: CURVES[build][name] for build in BUILDS})
     for build in BUILDS:
-        fixed = {n: r for n, r in got[build].items() if n != "auto"}
-        best = max(fixed, key=fixed.get)
-        assert got[build]["auto"] >= BOUND * fixed[best], (build, got[build])
+        assert against_best(got[build])[1] >= BOUND, (build, got[build])

@@ -122,7 +122,7 @@ class Controller:
         round, and such a round, rejected early, cost more than a 48-token request's choice
         gained; so the length grows one position at a time, as the evidence does."""
         tested = sum(1 for t in self.tested if t > TESTED)
-        return max(1, min(self.num_draft, tested + 1))
+        return min(self.num_draft, tested + 1)
 
     def choice(self) -> tuple[int, float]:
         """The draft length with the most expected tokens per unit of cost within

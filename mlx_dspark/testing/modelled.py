@@ -22,7 +22,7 @@ class Modelled(Controller):
     (:func:`~mlx_dspark.decode.length.line`), then refreshed by what the rounds cost; None:
     ``num_draft`` drafts every round."""
 
-    def __init__(self, num_draft: int, costs: list[float] | None = None):
+    def __init__(self, num_draft: int | None = None, costs: list[float] | None = None):
         curve = Curve(line(costs), 1.0) if costs else None
         super().__init__(len(costs) if costs else num_draft, mode="on", curve=curve)
         self.costs, self.lengths = costs, []
@@ -38,9 +38,10 @@ def spent(lengths: list[int], costs: list[float]) -> float:
     return sum(costs[n - 1] for n in lengths)
 
 
-def run(pair, prompt, num_draft, costs=None, max_tokens: int = 48) -> tuple[int, list[int]]:
-    """Greedy decoding of ``prompt`` (token ids) under :class:`Modelled`: the tokens the rounds
-    emitted (the first comes from the prefill) and each round's draft length."""
+def run(pair, prompt, num_draft=None, costs=None, max_tokens: int = 48) -> tuple[int, list[int]]:
+    """Greedy decoding of ``prompt`` (token ids) under :class:`Modelled` (``num_draft`` drafts
+    a round, or "auto" on ``costs``): the tokens the rounds emitted (the first comes from the
+    prefill) and each round's draft length."""
     control = pair.controller = Modelled(num_draft, costs)
     try:
         out = generate(pair, prompt, max_tokens=max_tokens, num_draft="auto" if costs else
@@ -57,7 +58,15 @@ def rates(pair, prompts, curves: dict, lengths=range(1, 8), max_tokens: int = 48
     fixed = {n: [run(pair, p, n, max_tokens=max_tokens) for p in prompts] for n in lengths}
     out = {}
     for name, costs in curves.items():
-        runs = dict(fixed, auto=[run(pair, p, 0, costs, max_tokens) for p in prompts])
+        runs = dict(fixed, auto=[run(pair, p, costs=costs, max_tokens=max_tokens)
+                                 for p in prompts])
         out[name] = {n: sum(t for t, _ in r) / sum(spent(ls, costs) for _, ls in r)
                      for n, r in runs.items()}
     return out
+
+
+def against_best(rate: dict) -> tuple[int, float]:
+    """The best fixed length in one curve's :func:`rates`, and auto's rate over its rate."""
+    fixed = {n: r for n, r in rate.items() if n != "auto"}
+    best = max(fixed, key=fixed.get)
+    return best, rate["auto"] / fixed[best]
