@@ -56,6 +56,35 @@ def mtp_pattern(config: dict) -> str:
     return pattern * steps
 
 
+LATENT_PROJ = ".mixer.fc1_latent_proj.weight"
+"""The tensor that makes an MoE layer latent (its rows: the latent width)."""
+
+
+def latent_problem(config: dict, shapes: dict, config_path) -> str | None:
+    """Whether config.json's ``moe_latent_size`` says what the tensors say (``shapes``: name ->
+    shape, or None where only names are known): a latent MoE's layers hold
+    ``mixer.fc1_latent_proj`` of ``moe_latent_size`` rows, a full-width MoE's none. The one line
+    naming config.json and the field when they disagree, else None."""
+    size = config.get("moe_latent_size")
+    if size is not None and (type(size) is not int or size <= 0):
+        return f"{config_path}: moe_latent_size must be a positive integer or null, got {size!r}"
+    latent = {n: s for n, s in shapes.items() if n.endswith(LATENT_PROJ)}
+    if latent and size is None:
+        name = min(latent)
+        return (f"{config_path}: no moe_latent_size, but the tensors hold a latent MoE ({name}): "
+                f"this config.json does not describe these weights")
+    moe = any(n.endswith(".mixer.gate.weight") for n in shapes)
+    if size is not None and moe and not latent:
+        return (f"{config_path}: moe_latent_size {size}, but the MoE layers have no "
+                f"fc1_latent_proj (their experts run at full width): this config.json does not "
+                f"describe these weights")
+    for name, shape in sorted(latent.items()):
+        if shape is not None and shape[0] != size:
+            return (f"{config_path}: moe_latent_size {size}, but {name} projects to "
+                    f"{shape[0]}: this config.json does not describe these weights")
+    return None
+
+
 def target_tensor_names(config: dict) -> list[str]:
     """The tensors (a linear module by its ``.weight``) the runtime's loader asks for in a
     converted Nemotron-H target of ``config`` (its ``hybrid_override_pattern`` filled in)."""
@@ -69,6 +98,8 @@ def target_tensor_names(config: dict) -> list[str]:
               "E": ("gate.weight", "gate.e_score_correction_bias", "experts.up_proj.weight",
                     "experts.down_proj.weight", "shared_experts.up_proj.weight",
                     "shared_experts.down_proj.weight")}
+    if config.get("moe_latent_size") is not None:
+        blocks["E"] += ("fc1_latent_proj.weight", "fc2_latent_proj.weight")
     for i, kind in enumerate(config["hybrid_override_pattern"]):
         names.append(f"backbone.layers.{i}.norm.weight")
         names += [f"backbone.layers.{i}.mixer.{n}" for n in blocks[kind]]

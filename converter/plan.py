@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConversionError
-from .layout import GROUP_SIZE
+from .layout import GROUP_SIZE, latent_problem
 from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
@@ -261,6 +261,10 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
         # NVIDIA's drafter names have no "model." prefix; some exports wrap the tree in one.
         tensors = {n[6:]: replace(t, name=n[6:]) for n, t in tensors.items()}
     check_config_sizes(config, tensors, kind, config_path)
+    latent = latent_problem(config, {n: t.shape for n, t in tensors.items()}, config_path) \
+        if kind == TARGET else None
+    if latent:
+        raise ConversionError(latent)
 
     for name, t in tensors.items():
         if _EXTRAS.search(name):
