@@ -17,6 +17,7 @@ import mlx_dspark as md
 from mlx_dspark import cli
 from mlx_dspark.api import DEMO
 from mlx_dspark.checkpoint.formats import UnsupportedFormat, detect_dir
+from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.checkpoint.memory import InsufficientMemory
 from mlx_dspark.converter import convert, hub
 from mlx_dspark.converter.errors import ConversionError
@@ -85,11 +86,14 @@ def test_an_unconverted_modelopt_export_offers_convert_in_one_line():
         assert f"`mlx-dspark convert {src} -o {src}-mlx`" in one_line(e)
 
 
-def test_a_latent_moe_in_mlx_lm_s_layout_is_refused(dirs, tmp_path):
+def test_a_latent_moe_config_over_full_width_experts_is_refused(dirs, tmp_path):
+    """mlx-lm's layout with a latent MoE loads (tests/test_latent_moe.py); one whose config
+    says latent over experts at full width is refused, naming config.json and the field."""
     bad = _copy(dirs["4bit"], tmp_path / "latent", moe_latent_size=64)
-    with pytest.raises(UnsupportedFormat, match="latent MoE .moe_latent_size.: not implemented "
-                                                "here; run it with mlx-lm"):
+    with pytest.raises(CheckpointError) as e:
         md.load_target(str(bad))
+    assert one_line(e).startswith(f"{bad / 'config.json'}: moe_latent_size 64, but the MoE "
+                                  f"layers have no fc1_latent_proj")
 
 
 def test_other_architectures_and_drafters_given_as_the_model(tmp_path):

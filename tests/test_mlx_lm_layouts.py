@@ -113,10 +113,10 @@ def test_a_tensor_no_module_takes_is_refused(made, tmp_path):
     bad = tmp_path / "extra"
     shutil.copytree(made["affine-4bit"], bad)
     w = mx.load(str(bad / "model.safetensors"))
-    w["backbone.layers.1.mixer.fc1_latent_proj.weight"] = mx.zeros((4, 4))
+    w["backbone.layers.1.mixer.stray_proj.weight"] = mx.zeros((4, 4))
     mx.save_safetensors(str(bad / "model.safetensors"), w)
     with pytest.raises(CheckpointError, match="mlx-lm's Nemotron-H does not have: "
-                                              "backbone.layers.1.mixer.fc1_latent_proj.weight"):
+                                              "backbone.layers.1.mixer.stray_proj.weight"):
         md.load_target(str(bad))
 
 
