@@ -23,7 +23,7 @@ import mlx_dspark as md  # noqa: E402
 from mlx_dspark.converter import convert  # noqa: E402
 from mlx_dspark.open_files import import_mlx_lm  # noqa: E402
 from mlx_dspark.testing.latent import mlx_lm_model_on, modelopt_nvfp4, save_hf  # noqa: E402
-from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert  # noqa: E402
+from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy  # noqa: E402
 from mlx_dspark.testing.oracle_drafter import OracleDrafter  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 2, 7, 8, 11, 40, 41, 42, 43, 60, 61, 3, 4, 5, 6, 7, 8]
@@ -33,23 +33,13 @@ MLX_LM = {"mlx-lm fp32": dict(dtype="float32"), "mlx-lm bf16": dict(dtype="bfloa
           "mlx-lm nvfp4": dict(quantize=True, q_mode="nvfp4", dtype="bfloat16")}
 
 
-def greedy(model, ids, n):
-    cache = model.make_cache()
-    logits = model(mx.array([ids]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
-
-
 def row(name, path, ref, mtp):
     target = md.load_target(str(path), dtype="float32")
     ids = mx.array([PROMPT])
     ours, theirs = target(ids), ref(ids)
     logit = (mx.abs(ours - theirs).max() / mx.abs(theirs).max()).item()
     lp = (mx.abs(nn_log_softmax(ours) - nn_log_softmax(theirs)).max()).item()
-    serial = greedy(ref, PROMPT, 24)
+    serial = mlx_lm_greedy(ref, PROMPT, 24)
     pair = md.Pair(target)
     equal = md.generate(pair, PROMPT, max_tokens=24).tokens == serial
     rates = []

@@ -9,7 +9,6 @@ loader and by the converter."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ from mlx_dspark.converter import convert
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.open_files import import_mlx_lm
 from mlx_dspark.testing.latent import LATENT, mlx_lm_model_on, modelopt_nvfp4, save_hf
-from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert
+from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy, with_config
 from mlx_dspark.testing.oracle_drafter import OracleDrafter
 from mlx_dspark.testing.toy import random_drafter
 
@@ -61,16 +60,6 @@ def _mlx_lm_load(path):
 
 def _rel(a, b) -> float:
     return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
-def mlx_lm_greedy(model, ids, n):
-    cache = model.make_cache()
-    logits = model(mx.array([ids]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
 
 
 NAMES = ["hf", *MLX_LM, "modelopt-nvfp4", "modelopt-nvfp4-bf16-latent"]
@@ -157,14 +146,6 @@ def test_speculation_is_lossless_on_a_latent_target(made, name):
 # ----------------------------------------------------------------------- refusals
 
 
-def _copy(src: Path, dst: Path, **config) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def one_line(excinfo) -> str:
     assert "\n" not in str(excinfo.value)
     return str(excinfo.value)
@@ -172,7 +153,7 @@ def one_line(excinfo) -> str:
 
 @pytest.mark.parametrize("name", ["hf", "mlx-lm-affine-4bit", "modelopt-nvfp4"])
 def test_a_config_without_moe_latent_size_over_latent_tensors_is_refused(made, tmp_path, name):
-    bad = _copy(made[name][0], tmp_path / "bad", moe_latent_size=None)
+    bad = with_config(made[name][0], tmp_path / "bad", moe_latent_size=None)
     for load in (md.load_target, md.load):
         with pytest.raises(CheckpointError) as e:
             load(str(bad), verify="none")
@@ -182,7 +163,7 @@ def test_a_config_without_moe_latent_size_over_latent_tensors_is_refused(made, t
 
 
 def test_a_moe_latent_size_the_tensors_do_not_have_is_refused(made, tmp_path):
-    bad = _copy(made["hf"][0], tmp_path / "bad", moe_latent_size=LATENT // 2)
+    bad = with_config(made["hf"][0], tmp_path / "bad", moe_latent_size=LATENT // 2)
     with pytest.raises(CheckpointError) as e:
         md.load_target(str(bad))
     assert one_line(e) == (f"{bad / 'config.json'}: moe_latent_size {LATENT // 2}, but "
@@ -195,7 +176,7 @@ def test_the_converter_reads_latent_or_not_from_the_tensors(made, tmp_path, caps
     for value, words in ((None, "no moe_latent_size, but the tensors hold a latent MoE"),
                          (LATENT * 2, f"moe_latent_size {LATENT * 2}, but backbone.layers.2."
                                       f"mixer.fc1_latent_proj.weight projects to {LATENT}")):
-        bad = _copy(export, tmp_path / f"bad-{value}", moe_latent_size=value)
+        bad = with_config(export, tmp_path / f"bad-{value}", moe_latent_size=value)
         with pytest.raises(ConversionError, match=words):
             convert(str(bad), tmp_path / f"out-{value}", progress=False)
         assert not (tmp_path / f"out-{value}").exists()
