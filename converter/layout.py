@@ -85,6 +85,38 @@ def latent_problem(config: dict, shapes: dict, config_path) -> str | None:
     return None
 
 
+SPECULATORS_BLOCK_KINDS = ("dspark", "dflash")
+"""``speculators_model_type`` values of block drafters saved by vllm-project/speculators."""
+
+
+def speculators_refusal(config: dict, config_path) -> str | None:
+    """The one line refusing a DSpark or DFlash drafter saved in vllm-project/speculators'
+    convention (``speculators_model_type``, or ``speculators_config.algorithm``), else None.
+    Its offsets are not NVIDIA's: with ``sample_from_anchor`` true (speculators' DSpark default)
+    the block is anchor-first, slot j predicting anchor+j+1 where NVIDIA's slot j predicts
+    anchor+j, and ``aux_hidden_state_layer_ids`` count layers done (NVIDIA's
+    ``target_layer_ids`` are one less). Read as NVIDIA's layout every slot is one position
+    early and acceptance collapses to about one token per round with no error (SGLang's
+    sgl-project/sglang#30261); until that block is implemented here it is refused by name."""
+    spec = config.get("speculators_config")
+    kind = config.get("speculators_model_type") or (
+        spec.get("algorithm") if isinstance(spec, dict) else None)
+    if kind not in SPECULATORS_BLOCK_KINDS:
+        return None
+    anchor = config.get("sample_from_anchor")
+    block = {True: "anchor-first (sample_from_anchor true: slot j predicts anchor+j+1, "
+                   "NVIDIA's slot j anchor+j)",
+             False: "1+N (sample_from_anchor false)"}.get(
+        anchor, "of unstated slots (no sample_from_anchor: anchor-first by speculators' "
+                "default, 1+N in older exports)")
+    return (f"{config_path}: a {kind} drafter in the vllm-project/speculators convention "
+            f"(speculators_model_type {kind!r}), whose offsets are not NVIDIA's: its block is "
+            f"{block} and its aux_hidden_state_layer_ids count layers done; read as NVIDIA's "
+            f"layout its acceptance would collapse to about 1 token per round (sglang#30261), "
+            f"so it is not loaded: use a drafter in NVIDIA's layout (Qwen3DSparkModel or "
+            f"DFlashDraftModel)")
+
+
 def target_tensor_names(config: dict) -> list[str]:
     """The tensors (a linear module by its ``.weight``) the runtime's loader asks for in a
     converted Nemotron-H target of ``config`` (its ``hybrid_override_pattern`` filled in)."""
