@@ -56,6 +56,67 @@ def mtp_pattern(config: dict) -> str:
     return pattern * steps
 
 
+LATENT_PROJ = ".mixer.fc1_latent_proj.weight"
+"""The tensor that makes an MoE layer latent (its rows: the latent width)."""
+
+
+def latent_problem(config: dict, shapes: dict, config_path) -> str | None:
+    """Whether config.json's ``moe_latent_size`` says what the tensors say (``shapes``: name ->
+    shape, or None where only names are known): a latent MoE's layers hold
+    ``mixer.fc1_latent_proj`` of ``moe_latent_size`` rows, a full-width MoE's none. The one line
+    naming config.json and the field when they disagree, else None."""
+    size = config.get("moe_latent_size")
+    if size is not None and (type(size) is not int or size <= 0):
+        return f"{config_path}: moe_latent_size must be a positive integer or null, got {size!r}"
+    latent = {n: s for n, s in shapes.items() if n.endswith(LATENT_PROJ)}
+    if latent and size is None:
+        name = min(latent)
+        return (f"{config_path}: no moe_latent_size, but the tensors hold a latent MoE ({name}): "
+                f"this config.json does not describe these weights")
+    moe = any(n.endswith(".mixer.gate.weight") for n in shapes)
+    if size is not None and moe and not latent:
+        return (f"{config_path}: moe_latent_size {size}, but the MoE layers have no "
+                f"fc1_latent_proj (their experts run at full width): this config.json does not "
+                f"describe these weights")
+    for name, shape in sorted(latent.items()):
+        if shape is not None and shape[0] != size:
+            return (f"{config_path}: moe_latent_size {size}, but {name} projects to "
+                    f"{shape[0]}: this config.json does not describe these weights")
+    return None
+
+
+SPECULATORS_BLOCK_KINDS = ("dspark", "dflash")
+"""``speculators_model_type`` values of block drafters saved by vllm-project/speculators."""
+
+
+def speculators_refusal(config: dict, config_path) -> str | None:
+    """The one line refusing a DSpark or DFlash drafter saved in vllm-project/speculators'
+    convention (``speculators_model_type``, or ``speculators_config.algorithm``), else None.
+    Its offsets are not NVIDIA's: with ``sample_from_anchor`` true (speculators' DSpark default)
+    the block is anchor-first, slot j predicting anchor+j+1 where NVIDIA's slot j predicts
+    anchor+j, and ``aux_hidden_state_layer_ids`` count layers done (NVIDIA's
+    ``target_layer_ids`` are one less). Read as NVIDIA's layout every slot is one position
+    early and acceptance collapses to about one token per round with no error (SGLang's
+    sgl-project/sglang#30261); until that block is implemented here it is refused by name."""
+    spec = config.get("speculators_config")
+    kind = config.get("speculators_model_type") or (
+        spec.get("algorithm") if isinstance(spec, dict) else None)
+    if kind not in SPECULATORS_BLOCK_KINDS:
+        return None
+    anchor = config.get("sample_from_anchor")
+    block = {True: "anchor-first (sample_from_anchor true: slot j predicts anchor+j+1, "
+                   "NVIDIA's slot j anchor+j)",
+             False: "1+N (sample_from_anchor false)"}.get(
+        anchor, "of unstated slots (no sample_from_anchor: anchor-first by speculators' "
+                "default, 1+N in older exports)")
+    return (f"{config_path}: a {kind} drafter in the vllm-project/speculators convention "
+            f"(speculators_model_type {kind!r}), whose offsets are not NVIDIA's: its block is "
+            f"{block} and its aux_hidden_state_layer_ids count layers done; read as NVIDIA's "
+            f"layout its acceptance would collapse to about 1 token per round (sglang#30261), "
+            f"so it is not loaded: use a drafter in NVIDIA's layout (Qwen3DSparkModel or "
+            f"DFlashDraftModel)")
+
+
 def target_tensor_names(config: dict) -> list[str]:
     """The tensors (a linear module by its ``.weight``) the runtime's loader asks for in a
     converted Nemotron-H target of ``config`` (its ``hybrid_override_pattern`` filled in)."""
@@ -69,6 +130,8 @@ def target_tensor_names(config: dict) -> list[str]:
               "E": ("gate.weight", "gate.e_score_correction_bias", "experts.up_proj.weight",
                     "experts.down_proj.weight", "shared_experts.up_proj.weight",
                     "shared_experts.down_proj.weight")}
+    if config.get("moe_latent_size") is not None:
+        blocks["E"] += ("fc1_latent_proj.weight", "fc2_latent_proj.weight")
     for i, kind in enumerate(config["hybrid_override_pattern"]):
         names.append(f"backbone.layers.{i}.norm.weight")
         names += [f"backbone.layers.{i}.mixer.{n}" for n in blocks[kind]]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConversionError
-from .layout import GROUP_SIZE
+from .layout import GROUP_SIZE, latent_problem, speculators_refusal
 from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
@@ -257,10 +257,17 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
     config_path = src / "config.json"
     tensors = load_source_tensors(src)
     kind = detect_kind(config, tensors, config_path)
+    refusal = speculators_refusal(config, config_path) if kind == DRAFTER else None
+    if refusal:
+        raise ConversionError(refusal)
     if kind == DRAFTER and tensors and all(n.startswith("model.") for n in tensors):
         # NVIDIA's drafter names have no "model." prefix; some exports wrap the tree in one.
         tensors = {n[6:]: replace(t, name=n[6:]) for n, t in tensors.items()}
     check_config_sizes(config, tensors, kind, config_path)
+    latent = latent_problem(config, {n: t.shape for n, t in tensors.items()}, config_path) \
+        if kind == TARGET else None
+    if latent:
+        raise ConversionError(latent)
 
     for name, t in tensors.items():
         if _EXTRAS.search(name):

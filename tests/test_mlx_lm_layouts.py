@@ -20,7 +20,7 @@ from mlx_dspark.api import DEMO
 from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.checkpoint.recorded import record_file, verify_directory
 from mlx_dspark.open_files import import_mlx_lm
-from mlx_dspark.testing.mlx_lm_layouts import FORMATS, make_all
+from mlx_dspark.testing.mlx_lm_layouts import FORMATS, make_all, mlx_lm_greedy
 
 mlx_lm_utils = import_mlx_lm("mlx_lm.utils")
 PROMPT = [1, 281, 1092, 44, 17, 3002, 9, 511, 77, 12, 1800, 33, 5, 640, 2048, 91, 7, 300, 4001, 15]
@@ -47,16 +47,6 @@ def oracles(made):
 
 def _rel(a, b) -> float:
     return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
-def mlx_lm_greedy(model, ids, n):
-    cache = model.make_cache()
-    logits = model(mx.array([ids]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
 
 
 @pytest.mark.parametrize("name", ["hf-fp32", *FORMATS])
@@ -113,10 +103,10 @@ def test_a_tensor_no_module_takes_is_refused(made, tmp_path):
     bad = tmp_path / "extra"
     shutil.copytree(made["affine-4bit"], bad)
     w = mx.load(str(bad / "model.safetensors"))
-    w["backbone.layers.1.mixer.fc1_latent_proj.weight"] = mx.zeros((4, 4))
+    w["backbone.layers.1.mixer.stray_proj.weight"] = mx.zeros((4, 4))
     mx.save_safetensors(str(bad / "model.safetensors"), w)
     with pytest.raises(CheckpointError, match="mlx-lm's Nemotron-H does not have: "
-                                              "backbone.layers.1.mixer.fc1_latent_proj.weight"):
+                                              "backbone.layers.1.mixer.stray_proj.weight"):
         md.load_target(str(bad))
 
 

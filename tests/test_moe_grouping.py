@@ -7,7 +7,7 @@ from target_helpers import twin_models
 
 from mlx_dspark import api
 from mlx_dspark.models.nemotron_h import MoE, load_target
-from mlx_dspark.testing.toy import tiny_config
+from mlx_dspark.testing.toy import tiny_config, tiny_target
 
 
 def equal_with_and_without_grouping(model, tokens, monkeypatch) -> bool:
@@ -29,6 +29,12 @@ def test_grouped_experts_equal_the_plain_path_on_the_demo_target(n, monkeypatch)
 def test_grouped_experts_equal_the_plain_path_on_float_experts(monkeypatch):
     model = twin_models(tiny_config())[0]                 # dense experts (gather_mm)
     toks = mx.random.randint(0, 97, (1, 6), key=mx.random.key(0))
+    assert equal_with_and_without_grouping(model, toks, monkeypatch)
+
+
+def test_grouped_experts_equal_the_plain_path_on_a_latent_moe(monkeypatch):
+    model = tiny_target(moe_latent_size=32)              # experts in the latent width
+    toks = mx.random.randint(0, 97, (1, 6), key=mx.random.key(1))
     assert equal_with_and_without_grouping(model, toks, monkeypatch)
 
 

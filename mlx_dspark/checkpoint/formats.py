@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from ..converter.layout import weight_files
+from ..converter.layout import latent_problem, weight_files
 from ..converter.mlx_layouts import Format, dense_precision, mlx_layout
 from .integrity import CheckpointError
 
@@ -71,12 +71,11 @@ def detect(config: dict, tensors: dict, where, hf_quant_config: bool = False) ->
     """The format of a Nemotron-H checkpoint from its config and ``tensors`` (name -> its
     safetensors dtype, or None where only names are known); UnsupportedFormat for one that
     no loader here runs."""
+    latent = latent_problem(config, dict.fromkeys(tensors), Path(where) / "config.json")
+    if latent:
+        raise UnsupportedFormat(latent)
     mlx = mlx_layout(config, tensors)
     if mlx is not None:
-        if mlx.layout == "mlx-lm" and config.get("moe_latent_size"):
-            raise UnsupportedFormat(f"{where}: mlx-lm's layout with a latent MoE "
-                                    f"(moe_latent_size): not implemented here; run it with "
-                                    f"mlx-lm")
         return mlx
     qc = config.get("quantization_config")
     method = str(qc.get("quant_method", "modelopt")).lower() if isinstance(qc, dict) else None

@@ -71,8 +71,12 @@ def kind_of(path: str) -> Kind:
     """The kind of a converted directory, by its config.json's ``architectures``;
     DrafterError otherwise."""
     from .base import read_config
+    from .config import check_convention
 
-    archs = read_config(path).get("architectures") or []
+    config = read_config(path)
+    # first: such a config may name an architecture below, and must never be read as one
+    check_convention(config, os.path.join(path, "config.json"))
+    archs = config.get("architectures") or []
     for kind in KINDS.values():
         if set(archs) & set(kind.architectures):
             return kind

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..converter.layout import GROUP_SIZE
+from ..converter.layout import GROUP_SIZE, speculators_refusal
 from ..models.quant import module_format
 from ..models.weights import _FLOATS
 from .base import DrafterError, target_dims
@@ -55,8 +55,17 @@ def _unsupported(where: str, what: str):
     raise DrafterError(f"{where}: unsupported drafter variant: {what}")
 
 
+def check_convention(cfg: dict, where: str) -> None:
+    """Refuse by name a drafter saved in vllm-project/speculators' convention, whose block
+    slots and tap layers are offset from NVIDIA's (converter/layout.speculators_refusal)."""
+    refusal = speculators_refusal(cfg, where)
+    if refusal:
+        raise DrafterError(refusal)
+
+
 def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     """Parse NVIDIA's DSpark ``config.json``; refuse variants this runtime does not implement."""
+    check_convention(cfg, where)
     archs = cfg.get("architectures") or []
     if not set(archs) & set(ARCHITECTURES):
         _unsupported(where, f"architectures {archs} (only NVIDIA's Qwen3DSparkModel layout)")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .base import DrafterError, Draw
-from .config import DrafterConfig, _pick, _unsupported, backbone_fields
+from .config import DrafterConfig, _pick, _unsupported, backbone_fields, check_convention
 from .dspark import BlockDrafter, load_block
 
 ARCHITECTURES = ("DFlashDraftModel",)
@@ -47,6 +47,7 @@ class DFlashConfig(DrafterConfig):
 def parse_config(cfg: dict, where: str = "config.json") -> DFlashConfig:
     """Parse a DFlash ``config.json`` (z-lab's fields; NVIDIA writes some in
     ``dflash_config`` too); refuse the variants this runtime does not implement."""
+    check_convention(cfg, where)
     archs = cfg.get("architectures") or []
     if not set(archs) & set(ARCHITECTURES):
         _unsupported(where, f"architectures {archs} (expected DFlashDraftModel)")

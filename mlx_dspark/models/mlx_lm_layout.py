@@ -46,6 +46,8 @@ def in_features(cfg, prefix: str) -> int:
     if last == "down_proj":
         return (cfg.moe_shared_expert_intermediate_size if ".shared_experts." in prefix else
                 cfg.moe_intermediate_size if ".experts." in prefix else cfg.intermediate_size)
+    if last == "fc2_latent_proj" or prefix.endswith(".experts.up_proj") and cfg.moe_latent_size:
+        return cfg.moe_latent_size          # a latent MoE's experts read the latent
     return cfg.hidden_size
 
 

@@ -38,7 +38,8 @@ import mlx.nn as nn
 
 from ..checkpoint.formats import convert_first, detect_dir, read_target_config
 from ..checkpoint.recorded import check_files
-from ..converter.layout import decode_float, layer_pattern
+from ..checkpoint.integrity import CheckpointError
+from ..converter.layout import decode_float, latent_problem, layer_pattern
 from ..device import on_gpu
 from ..kernels import mamba as K
 from ..kernels.norm import gated_rms_norm, rms_norm
@@ -75,6 +76,7 @@ class TargetConfig:
     intermediate_size: int = 0
     moe_intermediate_size: int = 0
     moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
     n_group: int = 1
@@ -221,7 +223,12 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Sigmoid router; experts chosen on ``score + e_score_correction_bias`` (optionally
     within the best ``topk_group`` of ``n_group`` groups), weighted by the un-biased scores,
-    normalized, times ``routed_scaling_factor``; plus one shared expert."""
+    normalized, times ``routed_scaling_factor``; plus one shared expert.
+
+    A latent MoE (``moe_latent_size``: Nemotron 3 Super and Ultra) routes on the full hidden
+    state, runs the routed experts and their weighted sum in the latent space between
+    ``fc1_latent_proj`` (hidden -> latent) and ``fc2_latent_proj`` (back), and its shared
+    expert on the unprojected input, as mlx-lm's and vLLM's ``NemotronHMoE`` do."""
 
     sort_min_tokens: int | None = None
     """Fewest tokens whose (token, expert) pairs are grouped by expert (None: by the device
@@ -242,6 +249,9 @@ class MoE(nn.Module):
         self.experts.up_proj = w.experts(f"{p}.experts.up_proj")
         self.experts.down_proj = w.experts(f"{p}.experts.down_proj")
         self.shared_experts = MLP(w, f"{p}.shared_experts")
+        if cfg.moe_latent_size is not None:
+            self.fc1_latent_proj = w.linear(f"{p}.fc1_latent_proj")
+            self.fc2_latent_proj = w.linear(f"{p}.fc2_latent_proj")
 
     def route(self, x):
         c = self.cfg
@@ -263,8 +273,9 @@ class MoE(nn.Module):
 
     def __call__(self, x):
         idx, weights = self.route(x)
-        shape = x.shape
-        xf = x.reshape(-1, 1, 1, shape[-1])
+        latent = "fc1_latent_proj" in self
+        h = self.fc1_latent_proj(x) if latent else x
+        xf = h.reshape(-1, 1, 1, h.shape[-1])
         idx_f = idx.reshape(-1, idx.shape[-1])
         # Several tokens: sort the (token, expert) pairs so each expert's rows are contiguous
         # and gather_qmm can read a shared expert once (a verify's tokens often share them).
@@ -284,8 +295,10 @@ class MoE(nn.Module):
         if sort:
             y = y[inv].reshape(*idx_f.shape, 1, -1)
         y = y.squeeze(-2).reshape(*idx.shape, -1)
-        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-        return y.reshape(shape) + self.shared_experts(x)
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2).reshape(h.shape)
+        if latent:
+            y = self.fc2_latent_proj(y)
+        return y + self.shared_experts(x)
 
 
 class Block(nn.Module):
@@ -507,9 +520,14 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
     cfg = TargetConfig.from_dict(raw, cfg_path)
     if fmt.layout == "mlx-lm":
         w = mlx_lm_weights(path, raw, cfg, dtype)
+        tensors = w.tensors
     else:
-        w = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
-        w = {k: v for k, v in w.items() if not k.startswith("mtp.")}
+        tensors = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
+        w = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    latent = latent_problem(raw, {k: v.shape for k, v in tensors.items()}, cfg_path)
+    if latent:
+        raise CheckpointError(latent)
+    del tensors
     try:
         model = NemotronH(cfg, w, dtype, nvfp4)
     except KeyError as e:

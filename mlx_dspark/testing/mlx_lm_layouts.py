@@ -92,6 +92,28 @@ def dense_hf(converted: str | Path, out: str | Path, dtype=mx.float32, mtp: bool
     return out
 
 
+def with_config(src: str | Path, dst: str | Path, **fields) -> Path:
+    """A copy of the model directory ``src`` at ``dst`` with ``fields`` set in its config.json
+    (a config that contradicts the files, for the refusals' tests)."""
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(fields)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def mlx_lm_greedy(model, ids, n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` from mlx-lm's model, with its own cache."""
+    cache = model.make_cache()
+    logits = model(mx.array([ids]), cache=cache)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
 def mlx_lm_convert(src: str | Path, out: str | Path, **options) -> Path:
     """``mlx_lm.convert(src, out, **options)`` with its progress prints kept off stdout."""
     convert = import_mlx_lm("mlx_lm.convert").convert
