@@ -5,34 +5,89 @@ converter/layout.py's."""
 
 from __future__ import annotations
 
-import json
+import os
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..checkpoint.integrity import CheckpointError, checkpoint_files
+from ..checkpoint.integrity import CheckpointError, Reads, checkpoint_files
+from ..converter.errors import ConversionError
 from ..converter.layout import GROUP_SIZE
+from ..converter.safetensors_io import header_of, open_regular, read_chunks, read_header
 from .quant import DenseExperts, ScaledLinear
 
 
-def read_weights(path: str) -> tuple[dict, dict]:
+def read_weights(path: str, reads: Reads | None = None, keep=None) -> tuple[dict, dict]:
     """All tensors of the checkpoint's weight files (integrity.checkpoint_files), and which file
-    each came from. A tensor in two files is refused: a stray copy never overrides another."""
+    each came from; with ``keep``, only the names it accepts. A tensor in two files is refused:
+    a stray copy never overrides another. ``reads`` (integrity.check_checkpoint,
+    recorded.check_files): the hashes each file's bytes are checked against as they are read,
+    so the tensors are made from the very bytes that were checked."""
+    reads = Reads() if reads is None else reads
     weights, origin = {}, {}
     for f in checkpoint_files(path):
-        try:
-            shard = mx.load(f)
-        except Exception as e:  # MLX reports truncated/corrupt files with various types
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-        for k, v in shard.items():
+        for k, v in read_file(f, reads.get(f), keep).items():
             if k in origin:
                 raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
             weights[k] = v
             origin[k] = f
+    reads.done()
     return weights, origin
+
+
+_NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "I16": np.int16,
+          "U16": np.uint16, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
+          "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64}
+"""How each safetensors dtype MLX loads is held (as ``mx.load`` has them: F8_E4M3 as its
+bytes, BF16 as its bits, viewed as bfloat16)."""
+
+
+def read_file(f: str, reading=None, keep=None) -> dict:
+    """The tensors of one safetensors file, its header checked whole first
+    (converter/safetensors_io.header_of: no name twice, no overlapping or stray bytes), read
+    in file order through one descriptor; each byte read goes to ``reading``
+    (integrity.Reading) before a tensor is made of it. ``keep``: which names to make (the
+    others are read only where ``reading`` needs their bytes)."""
+    try:
+        with open_regular(Path(f)) as fh:
+            infos, head = header_of(fh, Path(f))
+            if reading is not None:
+                reading.feed(0, head)
+            out = {}
+            for t in sorted(infos.values(), key=lambda t: t.start):
+                if keep is not None and not keep(t.name):
+                    if reading is not None and reading.wants(t.start, t.nbytes):
+                        for pos, view in read_chunks(fh, t.start, t.nbytes):
+                            reading.feed(pos, view)
+                    continue
+                if t.dtype not in _NUMPY:
+                    raise CheckpointError(f"{f}: tensor {t.name!r} is {t.dtype}, a dtype MLX "
+                                          f"does not load")
+                data = bytearray(t.nbytes)
+                _read_into(fh, memoryview(data), t.start)
+                if reading is not None:
+                    reading.feed(t.start, data)
+                a = mx.array(np.frombuffer(data, _NUMPY[t.dtype]).reshape(t.shape))
+                out[t.name] = a.view(mx.bfloat16) if t.dtype == "BF16" else a
+            if reading is not None:
+                reading.finish()
+            return out
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _read_into(fh, view: memoryview, pos: int) -> None:
+    """``len(view)`` bytes of ``fh`` from ``pos`` (a read returns at most about 2 GB)."""
+    while view:
+        got = os.preadv(fh.fileno(), [view[:1 << 30]], pos)
+        if got == 0:
+            raise CheckpointError(f"{fh.name}: file shrank while it was loaded (no data at "
+                                  f"byte {pos})")
+        view, pos = view[got:], pos + got
 
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -45,19 +100,16 @@ _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np
 
 
 def read_raw_safetensors(f: str) -> dict:
-    """name -> (safetensors dtype string, numpy array of the stored bits), parsed from the
-    file's own header (independent of MLX's loader, so the gate checks one with the other)."""
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    data = np.memmap(f, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = info["data_offsets"]
-        out[name] = (info["dtype"], data[b:e].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"]))
-    return out
+    """name -> (safetensors dtype string, numpy array of the stored bits), through a memory
+    map of the file (independent of the loader's reads, so the gate checks one with the
+    other), its header checked whole."""
+    try:
+        infos = read_header(Path(f))
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    data = np.memmap(f, dtype=np.uint8, mode="r")
+    return {name: (t.dtype, data[t.start:t.start + t.nbytes].view(_ST_DTYPES[t.dtype])
+                   .reshape(t.shape)) for name, t in infos.items()}
 
 
 def _e4m3_values() -> np.ndarray:
