@@ -256,3 +256,29 @@ def check_quantization(quantization, shapes: dict, layout: str, where) -> None:
         problem = scheme_problem(entry, top)
         if problem:
             raise ConfigError(f"{where}: quantization[{name!r}] {problem}")
+
+
+def check_drafter(cfg: dict, where) -> None:
+    """A drafter's (DSpark, DFlash, EAGLE-3: Qwen3/Llama-style) sizes, plausible on their own
+    before its tensors are sized by them: integers >= 1, key/value heads dividing the heads,
+    a finite positive epsilon and RoPE base."""
+    def bad(field, why):
+        return ConfigError(f"{where}: {field} {cfg.get(field)!r}: {why}")
+
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+        if not _positive(cfg.get(field)):
+            raise bad(field, "must be an integer >= 1")
+    for field in ("num_key_value_heads", "head_dim", "target_hidden_size", "draft_vocab_size"):
+        if cfg.get(field) is not None and not _positive(cfg[field]):
+            raise bad(field, "must be an integer >= 1 (or absent)")
+    heads = cfg["num_attention_heads"]
+    if heads % cfg.get("num_key_value_heads", heads):
+        raise bad("num_key_value_heads", f"does not divide num_attention_heads {heads}")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise bad("num_attention_heads", f"does not divide hidden_size {cfg['hidden_size']} "
+                                         f"(and no head_dim)")
+    for field in ("rms_norm_eps", "rope_theta"):
+        v = cfg.get(field, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise bad(field, "must be a finite number > 0")

@@ -54,7 +54,13 @@ def read_file(f: str, reading=None, keep=None) -> dict:
     others are read only where ``reading`` needs their bytes)."""
     try:
         with open_regular(Path(f)) as fh:
-            infos, head = header_of(fh, Path(f))
+            try:
+                infos, head = header_of(fh, Path(f))
+            except ConversionError:
+                if reading is not None:       # a file changed since its hashes is named so
+                    for pos, view in read_chunks(fh, 0, os.fstat(fh.fileno()).st_size):
+                        reading.feed(pos, view)
+                raise
             if reading is not None:
                 reading.feed(0, head)
             out = {}
