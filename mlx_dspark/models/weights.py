@@ -39,19 +39,17 @@ def read_weights(path: str, reads: Reads | None = None, keep=None) -> tuple[dict
     return weights, origin
 
 
-_NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "I16": np.int16,
-          "U16": np.uint16, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
-          "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64}
-"""How each safetensors dtype MLX loads is held (as ``mx.load`` has them: F8_E4M3 as its
-bytes, BF16 as its bits, viewed as bfloat16)."""
+MLX_DTYPES = {"BOOL", "U8", "I8", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+              "I64", "U64"}
+"""The safetensors dtypes ``mx.load`` reads (F8_E4M3 as its bytes)."""
 
 
 def read_file(f: str, reading=None, keep=None) -> dict:
-    """The tensors of one safetensors file, its header checked whole first
-    (converter/safetensors_io.header_of: no name twice, no overlapping or stray bytes), read
-    in file order through one descriptor; each byte read goes to ``reading``
-    (integrity.Reading) before a tensor is made of it. ``keep``: which names to make (the
-    others are read only where ``reading`` needs their bytes)."""
+    """The tensors of one safetensors file (with ``keep``, those it accepts), its header checked
+    whole first (converter/safetensors_io.header_of: no name twice, no overlapping or stray
+    bytes). MLX reads the file this function opened (its descriptor, whatever the name
+    points to by then); with ``reading`` (integrity.Reading) each tensor is read at once and
+    the bytes MLX holds, in file order after the header's, are what is hashed."""
     try:
         with open_regular(Path(f)) as fh:
             try:
@@ -61,39 +59,25 @@ def read_file(f: str, reading=None, keep=None) -> dict:
                     for pos, view in read_chunks(fh, 0, os.fstat(fh.fileno()).st_size):
                         reading.feed(pos, view)
                 raise
-            if reading is not None:
-                reading.feed(0, head)
-            out = {}
+            odd = next((t for t in infos.values() if t.dtype not in MLX_DTYPES), None)
+            if odd is not None:
+                raise CheckpointError(f"{f}: tensor {odd.name!r} is {odd.dtype}, a dtype MLX "
+                                      f"does not load")
+            try:
+                loaded = mx.load(f"/dev/fd/{fh.fileno()}", format="safetensors")
+            except Exception as e:  # MLX reports unreadable files with various types
+                raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+            out = {n: a for n, a in loaded.items() if keep is None or keep(n)}
+            if reading is None:
+                return out                    # read lazily, as the model converts them
+            reading.feed(0, head)
             for t in sorted(infos.values(), key=lambda t: t.start):
-                if keep is not None and not keep(t.name):
-                    if reading is not None and reading.wants(t.start, t.nbytes):
-                        for pos, view in read_chunks(fh, t.start, t.nbytes):
-                            reading.feed(pos, view)
-                    continue
-                if t.dtype not in _NUMPY:
-                    raise CheckpointError(f"{f}: tensor {t.name!r} is {t.dtype}, a dtype MLX "
-                                          f"does not load")
-                data = bytearray(t.nbytes)
-                _read_into(fh, memoryview(data), t.start)
-                if reading is not None:
-                    reading.feed(t.start, data)
-                a = mx.array(np.frombuffer(data, _NUMPY[t.dtype]).reshape(t.shape))
-                out[t.name] = a.view(mx.bfloat16) if t.dtype == "BF16" else a
-            if reading is not None:
-                reading.finish()
+                if t.name in out or reading.wants(t.start, t.nbytes):
+                    reading.feed(t.start, memoryview(loaded[t.name].reshape(-1).view(mx.uint8)))
+            reading.finish()
             return out
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
-
-
-def _read_into(fh, view: memoryview, pos: int) -> None:
-    """``len(view)`` bytes of ``fh`` from ``pos`` (a read returns at most about 2 GB)."""
-    while view:
-        got = os.preadv(fh.fileno(), [view[:1 << 30]], pos)
-        if got == 0:
-            raise CheckpointError(f"{fh.name}: file shrank while it was loaded (no data at "
-                                  f"byte {pos})")
-        view, pos = view[got:], pos + got
 
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
