@@ -3,6 +3,10 @@ mlx-lm's ``nemotron_h`` (an independent implementation; the random models: mlx_d
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import mlx.core as mx
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
@@ -65,3 +69,12 @@ def mlx_lm_from_hf_weights(cfg: dict, hf_weights: dict):
     model.load_weights(list(model.sanitize(w).items()))
     mx.eval(model.parameters())
     return model
+
+
+def crafted(src: Path, dst: Path, **change) -> Path:
+    """A copy of the checkpoint directory ``src`` whose config.json has ``change`` applied."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -22,6 +22,8 @@ from mlx_dspark.converter import convert, hub
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert
 
+from target_helpers import crafted
+
 FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
 
 
@@ -31,14 +33,6 @@ def dirs(tmp_path_factory):
     hf = dense_hf(DEMO / "target", root / "hf", dtype=mx.bfloat16)
     return {"hf": hf, "bf16": mlx_lm_convert(hf, root / "bf16", dtype="bfloat16"),
             "4bit": mlx_lm_convert(hf, root / "4bit", quantize=True, q_bits=4)}
-
-
-def _copy(src: Path, dst: Path, **config) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def one_line(excinfo) -> str:
@@ -71,7 +65,7 @@ def test_pytorch_pickles_are_refused_by_name(tmp_path):
 @pytest.mark.parametrize("method, name", [("gptq", "GPTQ"), ("awq", "AWQ"),
                                           ("bitsandbytes", "bitsandbytes")])
 def test_other_quantization_methods_are_refused_naming_them(dirs, tmp_path, method, name):
-    bad = _copy(dirs["hf"], tmp_path / method, quantization_config={"quant_method": method})
+    bad = crafted(dirs["hf"], tmp_path / method, quantization_config={"quant_method": method})
     with pytest.raises(UnsupportedFormat) as e:
         md.load(str(bad))
     assert one_line(e).startswith(f"{bad}: {name} quantization") and "mlx_lm.convert" in str(e.value)
@@ -86,7 +80,7 @@ def test_an_unconverted_modelopt_export_offers_convert_in_one_line():
 
 
 def test_a_latent_moe_in_mlx_lm_s_layout_is_refused(dirs, tmp_path):
-    bad = _copy(dirs["4bit"], tmp_path / "latent", moe_latent_size=64)
+    bad = crafted(dirs["4bit"], tmp_path / "latent", moe_latent_size=64)
     with pytest.raises(UnsupportedFormat, match="latent MoE .moe_latent_size.: not implemented "
                                                 "here; run it with mlx-lm"):
         md.load_target(str(bad))
@@ -107,7 +101,7 @@ def test_other_architectures_and_drafters_given_as_the_model(tmp_path):
 
 
 def test_the_cli_says_each_refusal_in_one_line(dirs, tmp_path, capsys):
-    bad = _copy(dirs["hf"], tmp_path / "gptq", quantization_config={"quant_method": "gptq"})
+    bad = crafted(dirs["hf"], tmp_path / "gptq", quantization_config={"quant_method": "gptq"})
     assert cli.main(["generate", "--model", str(bad), "-p", "x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mlx-dspark generate: error: ") and "GPTQ" in err
@@ -161,7 +155,7 @@ def test_convert_of_the_unconverted_hf_directory_loads(dirs, tmp_path):
 def fake_hub(dirs, tmp_path, monkeypatch):
     """Repos served from local directories; records every file asked for, in order."""
     repos, asked = {}, []
-    gptq = _copy(dirs["hf"], tmp_path / "gptq", quantization_config={"quant_method": "gptq"})
+    gptq = crafted(dirs["hf"], tmp_path / "gptq", quantization_config={"quant_method": "gptq"})
     gguf = tmp_path / "gguf"
     gguf.mkdir()
     (gguf / "model.gguf").write_bytes(b"GGUF")

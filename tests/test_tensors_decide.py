@@ -8,7 +8,6 @@ against the table that exists."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +24,9 @@ from mlx_dspark.models import nemotron_h
 from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert
 
 from server_helpers import app_client, started_engine
+from target_helpers import crafted
 
 MODELOPT = Path(__file__).parent / "fixtures" / "modelopt" / "target_bf16"
-
-
-def crafted(src: Path, dst: Path, **change) -> Path:
-    """A copy of ``src`` whose config.json has ``change`` applied."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(change)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 # id -> (config change, the words the one line must hold besides config.json)
@@ -237,3 +228,14 @@ def test_a_model_built_in_python_with_a_vocab_past_its_table_is_refused():
     w = hf_weights_from_mlx_lm(random_mlx_lm_model(cfg), stacked=True)
     with pytest.raises(ValueError, match="vocab_size 1000 but the embedding table has 97 rows"):
         nemotron_h.NemotronH(nemotron_h.TargetConfig.from_dict({**cfg, "vocab_size": 1000}), w)
+
+
+def test_the_smallest_context_warms_up_and_a_prompt_past_it_is_one_line(tmp_path, capsys):
+    # the warm-up's own prompt once ended in an uncaught RequestError (a traceback)
+    path = crafted(DEMO / "target", tmp_path / "m", max_position_embeddings=2)
+    pair = md.load(str(path), verify="none", warm=True)
+    assert len(md.generate(pair, [5], max_tokens=4).tokens) == 1
+    assert cli.main(["generate", "--model", str(path), "--verify", "none", "-p",
+                     "def f(x):"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the model's context limit is 2" in err, err
