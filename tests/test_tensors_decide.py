@@ -143,6 +143,18 @@ def test_mlx_lm_quantization_is_what_mlx_lm_accepts(layouts, case, tmp_path, mon
     refused_in_one_line(path, words, monkeypatch, capsys)
 
 
+@pytest.mark.parametrize("entries, words", [
+    ({"group_size": 32}, "quantization.group_size 32"),
+    ({"modules": {"backbone.layers.9.mixer.in_proj": "nvfp4"}},
+     "quantization.modules['backbone.layers.9.mixer.in_proj'] 'nvfp4': no such module"),
+])
+def test_the_converted_layout_s_quantization_names_what_is_there(entries, words, tmp_path,
+                                                                 monkeypatch, capsys):
+    src = DEMO / "target"
+    path = crafted(src, tmp_path / "m", quantization=_quantization(src, **entries))
+    refused_in_one_line(path, words, monkeypatch, capsys)
+
+
 def test_an_override_of_true_means_the_defaults_as_in_mlx_lm(layouts, tmp_path):
     src = layouts["mlx-lm affine"]
     path = crafted(src, tmp_path / "m", quantization=_quantization(src, lm_head=True))

@@ -192,7 +192,10 @@ def _check(path: str, outputs: list, verify: str, loading: bool = False) -> Read
     if added:
         raise CheckpointError(f"{os.path.join(path, added[0])}: not there at its first load: a "
                               f"file added {WORDS[1]}{hint}")
-    return verify_outputs(path, outputs, verify, (WORDS[0], WORDS[1] + hint), loading)
+    try:        # the hint rides on "since its first load" into the checks made while reading
+        return verify_outputs(path, outputs, verify, (WORDS[0], WORDS[1] + hint), loading)
+    except CheckpointError as e:
+        raise CheckpointError(str(e) if hint in str(e) else f"{e}{hint}") from None
 
 
 def check_files(path, verify: str = "auto", require_receipt: bool = True) -> Reads:
