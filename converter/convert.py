@@ -34,6 +34,7 @@ from .plan import TARGET, build_plan, load_source_tensors
 from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt, target_tensor_names
 from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
 from .receipts import RECEIPT_FORMAT, PinCheck, load_pins, receipt
+from .shapes import ConfigError, check_tensors, check_values
 from .safetensors_io import OutTensor, SourceFiles, open_regular, sha256_file, write_safetensors
 from .source_tree import allowed_roots, source_files
 
@@ -258,6 +259,12 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     plan = build_plan(s, config, spec, keep_mtp=keep_mtp)
     if plan.kind == TARGET:
         config = fill_layer_pattern(config, s / "config.json")
+        pattern, where = config["hybrid_override_pattern"], s / "config.json"
+        try:        # the sizes the runtime builds from, against the tensors about to be written
+            check_values(config, pattern, where)
+            check_tensors(config, pattern, {t.name: t.shape for t in plan.tensors}, where)
+        except ConfigError as e:
+            raise ConversionError(f"{e}; nothing written") from None
         made = {t.name for t in plan.tensors}
         missing = [n for n in target_tensor_names(config) if n not in made]
         if missing:       # never a success message for output that would not load

@@ -81,22 +81,31 @@ def open_regular(path: Path):
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate a safetensors header: every dtype known, every shape consistent
-    with its byte range, ranges inside the file, contiguous and non-overlapping."""
+    """Parse and validate a safetensors header (:func:`header_of`)."""
     path = Path(path)
     with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise ConversionError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > MAX_HEADER_BYTES:
-            raise ConversionError(f"{path}: corrupt safetensors header (declared length {n})")
-        if 8 + n > size:
-            raise ConversionError(
-                f"{path}: truncated safetensors file (header declares {n} bytes, "
-                f"file has {size - 8} after the length)")
-        raw = f.read(n)
+        return header_of(f, path)[0]
+
+
+def header_of(f, path: Path) -> tuple[dict[str, TensorInfo], bytes]:
+    """The header of the open file ``f``, checked whole: no name twice (a repeated JSON key),
+    every dtype known, every shape consistent with its byte range, the ranges inside the
+    file, contiguous, never overlapping, and every data byte in a tensor. Also the bytes it
+    was read from (length and JSON), for a caller that hashes what it reads."""
+    size = os.fstat(f.fileno()).st_size
+    head = os.pread(f.fileno(), 8, 0)
+    if len(head) < 8:
+        raise ConversionError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+    (n,) = struct.unpack("<Q", head)
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise ConversionError(f"{path}: corrupt safetensors header (declared length {n})")
+    if 8 + n > size:
+        raise ConversionError(
+            f"{path}: truncated safetensors file (header declares {n} bytes, "
+            f"file has {size - 8} after the length)")
+    raw = os.pread(f.fileno(), n, 8)
+    if len(raw) != n:
+        raise ConversionError(f"{path}: file shrank while its header was read")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
@@ -110,7 +119,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise ConversionError(f"{path}: corrupt safetensors header (__metadata__ must map str to str)")
 
     data_start, data_size = 8 + n, size - 8 - n
-    tensors, ranges = {}, []
+    tensors, ranges, ranges_of = {}, [], {}
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -134,18 +143,24 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{where}: data ends at byte {end} but the file holds {data_size} data bytes "
                 f"(truncated)")
         ranges.append((begin, end, name))
+        ranges_of[name] = [begin, end]
         tensors[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin)
 
-    covered = 0
+    covered, last = 0, None
     for begin, end, name in sorted(ranges):
-        if begin != covered:
-            kind = "overlaps the previous tensor" if begin < covered else "leaves a gap before it"
-            raise ConversionError(f"{path}: tensor {name!r} {kind} (corrupt data_offsets)")
-        covered = end
+        if begin < covered:
+            raise ConversionError(f"{path}: tensor {name!r} overlaps tensor {last!r} "
+                                  f"(data_offsets {[begin, end]} and {ranges_of[last]}: one "
+                                  f"would alias the other's bytes)")
+        if begin > covered:
+            raise ConversionError(f"{path}: data bytes {covered}-{begin - 1} belong to no tensor "
+                                  f"(a gap before tensor {name!r}; corrupt data_offsets)")
+        covered, last = end, name
     if covered != data_size:
         raise ConversionError(
-            f"{path}: {data_size - covered} trailing bytes after the last tensor (corrupt file)")
-    return tensors
+            f"{path}: {data_size - covered} trailing bytes after the last tensor"
+            + (f" ({last!r})" if last is not None else "") + ", in no tensor (corrupt file)")
+    return tensors, head + raw
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def test_truncated_file_is_refused_naming_it(tmp_path):
     f = os.path.join(path, "model.safetensors")
     with open(f, "r+b") as fh:
         fh.truncate(os.path.getsize(f) // 2)
-    with pytest.raises(DrafterError, match="model.safetensors: unreadable safetensors file"):
+    with pytest.raises(DrafterError, match=r"model.safetensors: .*\(truncated\)"):
         load_drafter(path, tiny.ArrayTarget(), verify="none")
 
 
@@ -195,8 +195,8 @@ def test_gate_refuses_a_tensor_loaded_differently_from_the_file(monkeypatch, nam
     """A loader that hands the model different bytes than the file holds (one bit flipped)."""
     read = dr.read_weights
 
-    def corrupting_read(path):
-        w, origin = read(path)
+    def corrupting_read(path, *args, **kwargs):
+        w, origin = read(path, *args, **kwargs)
         t = w[name]
         raw = t.view(mx.uint8) if t.ndim else t.reshape(1).view(mx.uint8)
         flipped = mx.concatenate([raw[:3], raw[3:4] ^ 1, raw[4:]]).view(t.dtype).reshape(t.shape)

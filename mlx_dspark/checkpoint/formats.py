@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..converter.layout import latent_problem, weight_files
 from ..converter.mlx_layouts import Format, dense_precision, mlx_layout
-from .integrity import CheckpointError
+from .integrity import CheckpointError, checkpoint_files
 
 QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
                  "compressed-tensors": "compressed-tensors", "fp8": "FP8 (block-scaled)",
@@ -115,18 +115,30 @@ def _refuse_foreign_files(path: Path) -> None:
                                 f"release")
 
 
-def _tensor_dtypes(path: Path) -> dict:
-    """name -> safetensors dtype over the directory's weight files (headers only)."""
+def _headers(files) -> dict:
+    """name -> TensorInfo over ``files``' safetensors headers, each checked whole
+    (converter/safetensors_io.read_header)."""
     from ..converter.errors import ConversionError
     from ..converter.safetensors_io import read_header
 
     tensors = {}
     try:
-        for f in weight_files(str(path)):
-            tensors.update({n: t.dtype for n, t in read_header(Path(f)).items()})
+        for f in files:
+            tensors.update(read_header(Path(f)))
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     return tensors
+
+
+def _tensor_dtypes(path: Path) -> dict:
+    """name -> safetensors dtype over the directory's weight files (headers only)."""
+    return {n: t.dtype for n, t in _headers(weight_files(str(path))).items()}
+
+
+def tensor_shapes(path) -> dict:
+    """name -> shape over the weight files a load reads (integrity.checkpoint_files), from
+    their headers alone: what a config is checked against before any weight is read."""
+    return {n: t.shape for n, t in _headers(checkpoint_files(path)).items()}
 
 
 def detect_dir(path, config: dict | None = None) -> Format:

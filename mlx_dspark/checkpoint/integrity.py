@@ -99,13 +99,15 @@ def _output(where: str, name: str, entry) -> Output:
     return Output(name, size, sha, bsize, tuple(hashes))
 
 
-def check_checkpoint(path, verify: str = "auto", require_receipt: bool = True) -> None:
-    """Check ``path`` against its receipt at the level ``verify`` names. A directory without a
-    receipt is refused unless ``verify="none"`` or ``require_receipt`` is False (a plain
-    Hugging Face directory, which no converter vouched for)."""
+def check_checkpoint(path, verify: str = "auto", require_receipt: bool = True) -> "Reads":
+    """Check ``path`` against its receipt at the level ``verify`` names: its small files now,
+    its weight files as the load reads them (the :class:`Reads` returned, for
+    models/weights.read_weights). A directory without a receipt is refused unless
+    ``verify="none"`` or ``require_receipt`` is False (a plain Hugging Face directory, which
+    no converter vouched for); nothing is checked then (an empty :class:`Reads`)."""
     path = str(path)
     if check_level(verify) == "none":
-        return
+        return Reads()
     outputs = receipt_outputs(path)
     if outputs is None:
         if require_receipt:
@@ -113,8 +115,8 @@ def check_checkpoint(path, verify: str = "auto", require_receipt: bool = True) -
                 f"{path}: no conversion receipt ({RECEIPT_NAME}), so its files cannot be "
                 f"checked; re-convert it with `mlx-dspark convert`, or load it unchecked with "
                 f"verify=\"none\" (command line: --verify none)")
-        return
-    verify_outputs(path, outputs, verify)
+        return Reads()
+    return verify_outputs(path, outputs, verify, loading=True)
 
 
 def checkpoint_files(path) -> list[str]:
@@ -141,10 +143,62 @@ RECEIPT_WORDS = ("the conversion receipt", "after conversion")
 """What the expected hashes are called in a message, and since when a change happened."""
 
 
+class Reading:
+    """One weight file's expected hashes (its spans: whole, or the blocks the level picked),
+    checked against the bytes a load reads from it, fed in file order (:meth:`feed`): what
+    is checked is what is loaded, whatever happens to the file between."""
+
+    def __init__(self, f: str, spans: list, words: tuple[str, str]):
+        self.f, self.words = f, words
+        self.spans = sorted((start, length, want, block) for _, start, length, want, block
+                            in spans)
+        self._i, self._sha = 0, hashlib.sha256()
+
+    def wants(self, start: int, length: int) -> bool:
+        """Whether bytes ``[start, start + length)`` are part of a span still to check."""
+        return any(s < start + length and start < s + n for s, n, _, _ in self.spans[self._i:])
+
+    def feed(self, pos: int, data) -> None:
+        """Bytes ``[pos, pos + len(data))`` of the file, as loaded; a span whose last byte
+        arrives is compared at once."""
+        view = memoryview(data).cast("B")
+        end = pos + len(view)
+        while self._i < len(self.spans):
+            start, length, want, block = self.spans[self._i]
+            if start >= end and length:
+                return
+            lo, hi = max(start, pos), min(start + length, end)
+            if lo < hi:
+                self._sha.update(view[lo - pos:hi - pos])
+            if start + length > end:
+                return
+            got, self._sha = self._sha.hexdigest(), hashlib.sha256()
+            self._i += 1
+            if got != want:
+                raise CheckpointError(_differs(self.f, start, start + length, block, got, want,
+                                               self.words))
+
+    def finish(self) -> None:
+        self.feed(0, b"")                         # spans of no bytes
+        if self._i < len(self.spans):
+            raise CheckpointError(f"{self.f}: not read to the end of what "
+                                  f"{self.words[0]} records (the file shrank?)")
+
+
+class Reads(dict):
+    """The checks a load's reads of weight files go through: file path -> :class:`Reading`
+    (a file not in it is not checked); :meth:`done` once every file is read."""
+
+    def done(self) -> None:
+        pass
+
+
 def verify_outputs(path: str, outputs: list[Output], verify: str = "full",
-                   words: tuple[str, str] = RECEIPT_WORDS) -> None:
+                   words: tuple[str, str] = RECEIPT_WORDS, loading: bool = False) -> Reads:
     """Raise CheckpointError naming the first file (and block) that differs from the receipt
-    (or, with other ``words``, from the hashes recorded at a first load)."""
+    (or, with other ``words``, from the hashes recorded at a first load). With ``loading``
+    the weight files are only sized now: their hashes are checked on the bytes the load
+    reads (the :class:`Reads` returned)."""
     against, since = words
     if verify == "auto":
         verify = "full" if sum(o.size for o in outputs) <= FULL_AUTO_BYTES else "fast"
@@ -175,6 +229,13 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full",
         jobs += [spans[i] for i in sorted(first)]
         optional += [s for i, s in enumerate(spans) if i not in first]
     jobs += random.SystemRandom().sample(optional, min(FAST_SAMPLES, len(optional)))
+    reads = Reads()
+    if loading:
+        weights = {os.path.join(path, o.name) for o in outputs
+                   if fnmatch.fnmatchcase(o.name, WEIGHT_FILES)}
+        for f in weights:
+            reads[f] = Reading(f, [j for j in jobs if j[0] == f], words)
+        jobs = [j for j in jobs if j[0] not in weights]
     pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
     try:
         for problem in pool.map(_check_span, jobs):
@@ -183,6 +244,7 @@ def verify_outputs(path: str, outputs: list[Output], verify: str = "full",
                                       .replace(RECEIPT_WORDS[1], since))
     finally:
         pool.shutdown(cancel_futures=True)   # the first difference is enough
+    return reads
 
 
 def _header_blocks(f: str, o: Output) -> int:
@@ -210,11 +272,13 @@ def _check_span(job) -> str | None:
     except OSError as e:
         return f"{f}: cannot read ({e.strerror or e})"
     got = sha.hexdigest()
-    if got == want:
-        return None
+    return None if got == want else _differs(f, start, end, block, got, want)
+
+
+def _differs(f, start, end, block, got, want, words=RECEIPT_WORDS) -> str:
     what = "sha256" if block is None else f"block {block} (bytes {start}-{end - 1}) sha256"
-    return (f"{f}: {what} {got} differs from the conversion receipt ({want}): the file "
-            f"changed after conversion")
+    return (f"{f}: {what} {got} differs from {words[0]} ({want}): the file changed "
+            f"{words[1]}")
 
 
 def verify_directory(path) -> str:

@@ -135,7 +135,7 @@ def check_fits(model, drafter=None, dtype=mx.float32, context: int = DEFAULT_CON
     from ..converter.errors import ConversionError
     try:
         need, parts = needed_bytes(model, drafter, dtype, context)
-    except (ConversionError, OSError, ValueError, KeyError):
+    except (ConversionError, OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return      # unreadable headers or config: the loader names the file and the problem
     have, where = available_memory()
     if need <= have:

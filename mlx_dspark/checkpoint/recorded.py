@@ -22,8 +22,9 @@ from pathlib import Path
 
 from ..converter.layout import BlockHash, weight_files
 from .hub import cache_root
-from .integrity import (FULL_AUTO_BYTES, READ_BYTES, CheckpointError, _output, check_checkpoint,
-                        check_level, receipt_outputs, verify_outputs)
+from .private_dir import private_directory
+from .integrity import (FULL_AUTO_BYTES, READ_BYTES, CheckpointError, Reads, _output,
+                        check_checkpoint, check_level, receipt_outputs, verify_outputs)
 from .integrity import verify_directory as verify_receipt
 
 FORMAT = "mlx-dspark-recorded/1"
@@ -56,20 +57,31 @@ def _hash(f: str) -> dict:
     return {"size": size, "sha256": whole.hexdigest(), "blocks": blocks.blocks()}
 
 
-def record(path) -> Path:
-    """Hash the files of ``path`` now and keep them as its record (replacing an older one)."""
-    path = str(path)
-    names = _files(path)
+def _announce(path: str, names: list[str]) -> None:
     total = sum(os.path.getsize(os.path.join(path, n)) for n in names)
     if total > FULL_AUTO_BYTES:
         print(f"mlx-dspark: {path} has no conversion receipt: hashing its {total / 1e9:.1f} GB "
               f"once, to check later loads against", file=sys.stderr, flush=True)
+
+
+def _hash_all(path: str, names: list[str]) -> dict:
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        hashed = dict(zip(names, pool.map(_hash, [os.path.join(path, n) for n in names])))
+        return dict(zip(names, pool.map(_hash, [os.path.join(path, n) for n in names])))
+
+
+def record(path) -> Path:
+    """Hash the files of ``path`` now and keep them as its record (replacing an older one)."""
+    path = str(path)
+    names = _files(path)
+    _announce(path, names)
+    return _write(path, _hash_all(path, names))
+
+
+def _write(path: str, hashed: dict) -> Path:
     doc = {"format": FORMAT, "path": os.path.realpath(path),
            "recorded": time.strftime("%Y-%m-%d %H:%M:%S"), "outputs": hashed}
     out = record_file(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _store(out.parent, create=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)
@@ -77,9 +89,74 @@ def record(path) -> Path:
     return out
 
 
+def _store(where: Path, create: bool = False) -> None:
+    """The record store as the disk prompt cache takes its directory: a real directory of this
+    user that no one else may write (prompt_cache/disk.py), else OSError saying why."""
+    if create:
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with private_directory(str(where)):
+        pass
+
+
+class _Recording(Reads):
+    """A first load: the weight files hashed as the load reads them, the record written from
+    those hashes (and the small files', taken now) once every file is read."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, names = path, _files(path)
+        _announce(path, names)
+        weights = {os.path.basename(f) for f in weight_files(path)}
+        self.hashed = _hash_all(path, [n for n in names if n not in weights])
+        for n in weights:
+            self[os.path.join(path, n)] = _Hashing()
+
+    def done(self) -> None:
+        for f, h in self.items():
+            self.hashed[os.path.basename(f)] = h.entry()
+        try:
+            _write(self.path, self.hashed)
+        except OSError as e:
+            print(f"mlx-dspark: warning: cannot record the hashes of {self.path} in "
+                  f"{record_file(self.path).parent} ({e.strerror or e}); later loads are "
+                  f"unchecked", file=sys.stderr)
+
+
+class _Hashing:
+    """A weight file's record entry from the bytes a load reads (all of them, in order)."""
+
+    def __init__(self):
+        self.whole, self.blocks, self.size = hashlib.sha256(), BlockHash(), 0
+
+    def wants(self, start: int, length: int) -> bool:
+        return True
+
+    def feed(self, pos: int, data) -> None:
+        if pos != self.size:
+            raise CheckpointError(f"record: bytes fed out of order ({pos} after {self.size})")
+        self.whole.update(data)
+        self.blocks.update(data)
+        self.size += len(data)
+
+    def finish(self) -> None:
+        pass
+
+    def entry(self) -> dict:
+        return {"size": self.size, "sha256": self.whole.hexdigest(), "blocks": self.blocks.blocks()}
+
+
 def recorded(path) -> tuple[list, str] | None:
-    """(the files a record lists, when it was taken), or None when ``path`` has none."""
+    """(the files a record lists, when it was taken), or None when ``path`` has none. A store
+    that other users can write, or that another user owns, is refused: its records prove
+    nothing."""
     where = record_file(path)
+    try:
+        _store(where.parent)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"{where.parent}: the store of recorded hashes is not to be "
+                              f"trusted ({e.strerror or e}); cannot check {path}") from None
     try:
         doc = json.loads(where.read_text())
     except FileNotFoundError:
@@ -108,39 +185,34 @@ def recorded_hash(path) -> str | None:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def _check(path: str, outputs: list, verify: str) -> None:
+def _check(path: str, outputs: list, verify: str, loading: bool = False) -> Reads:
     hint = f" (if the change is yours, delete {record_file(path)}: the next load records again)"
     listed = {o.name for o in outputs}
     added = [n for n in _files(path) if n not in listed]
     if added:
         raise CheckpointError(f"{os.path.join(path, added[0])}: not there at its first load: a "
                               f"file added {WORDS[1]}{hint}")
-    try:
-        verify_outputs(path, outputs, verify, WORDS)
+    try:        # the hint rides on "since its first load" into the checks made while reading
+        return verify_outputs(path, outputs, verify, (WORDS[0], WORDS[1] + hint), loading)
     except CheckpointError as e:
-        raise CheckpointError(f"{e}{hint}") from None
+        raise CheckpointError(str(e) if hint in str(e) else f"{e}{hint}") from None
 
 
-def check_files(path, verify: str = "auto", require_receipt: bool = True) -> None:
+def check_files(path, verify: str = "auto", require_receipt: bool = True) -> Reads:
     """Before a load: the receipt (integrity.check_checkpoint) when the directory has one or
-    must have one; otherwise the recorded hashes, taken now when this is its first load (a
-    cache that cannot be written only costs the check: one warning)."""
+    must have one; otherwise the recorded hashes, taken at this load when it is the first
+    (a cache that cannot be written only costs the check: one warning). The small files are
+    checked now, the weight files on the bytes the load reads (the :class:`Reads`
+    returned, for models/weights.read_weights)."""
     path = str(path)
     if check_level(verify) == "none":
-        return
+        return Reads()
     if require_receipt or receipt_outputs(path) is not None:
-        check_checkpoint(path, verify, require_receipt)
-        return
+        return check_checkpoint(path, verify, require_receipt)
     found = recorded(path)
     if found is not None:
-        _check(path, found[0], verify)
-        return
-    try:
-        record(path)
-    except OSError as e:
-        print(f"mlx-dspark: warning: cannot record the hashes of {path} in "
-              f"{record_file(path).parent} ({e.strerror or e}); it loads unchecked",
-              file=sys.stderr)
+        return _check(path, found[0], verify, loading=True)
+    return _Recording(path)
 
 
 def verify_directory(path) -> str:

@@ -31,6 +31,10 @@ def check(session: Session, request: Request):
     if bad is not None:
         raise RequestError("logit_bias", f"token id {bad} is outside the model's vocabulary "
                                          f"[0, {vocab})")
+    bad = next((t for t in sorted(request.stop_tokens) if t >= vocab), None)
+    if bad is not None:
+        raise RequestError("stop_tokens", f"token id {bad} is outside the model's vocabulary "
+                                          f"[0, {vocab})")
     limit = session.target.context_limit
     if limit is not None and len(request.prompt) >= limit:
         raise RequestError("prompt", f"prompt has {len(request.prompt)} tokens; the model's "

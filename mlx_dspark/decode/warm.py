@@ -16,7 +16,8 @@ def warm_up(pair, num_draft: int | str = 3):
     once); done here, that cost never lands in a generation's timings or in the
     break-even controller's estimates. Forced modes: the pair's learned controller is not
     touched."""
-    prompt = [0, 1]
+    limit = pair.target.context_limit or 3
+    prompt = [0, 1 % pair.target.config.vocab_size][:limit - 1]     # room for a token after it
     modes = ["off"] if pair.drafter is None else ["off", "on"]
     longest = 1
     if pair.drafter is not None:

@@ -216,8 +216,7 @@ def read_converted(path: str, verify: str, parse: Callable) -> tuple:
         cfg = parse(raw, cfg_file)
     except KeyError as e:
         raise DrafterError(f"{cfg_file}: missing field {e}") from None
-    check_checkpoint(path, verify)
-    weights, origin = read_weights(path)
+    weights, origin = read_weights(path, check_checkpoint(path, verify))
     return raw, cfg, weights, origin
 
 

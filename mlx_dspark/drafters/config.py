@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..converter.layout import GROUP_SIZE, speculators_refusal
+from ..converter.shapes import check_drafter
 from ..models.quant import module_format
 from ..models.weights import _FLOATS
 from .base import DrafterError, target_dims
@@ -87,6 +88,7 @@ def parse_config(cfg: dict, where: str = "config.json") -> DrafterConfig:
     if _pick(cfg, ["enable_confidence_head", "confidence_head", "dspark_confidence_head"],
              where, False):
         _unsupported(where, "confidence head")
+    check_drafter(cfg, where)
     vocab = int(cfg["vocab_size"])
     if cfg.get("draft_vocab_size") not in (None, vocab):
         _unsupported(where, f"draft_vocab_size {cfg['draft_vocab_size']} != vocab_size "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..converter.shapes import check_drafter
 from .base import DrafterError, Draw
 from .config import DrafterConfig, _pick, _unsupported, backbone_fields, check_convention
 from .dspark import BlockDrafter, load_block
@@ -65,6 +66,7 @@ def parse_config(cfg: dict, where: str = "config.json") -> DFlashConfig:
         _unsupported(where, "attention_bias=true (projections with a bias)")
     if cfg.get("has_lm_head", False):
         _unsupported(where, "has_lm_head=true (own lm_head; DFlash uses the target's)")
+    check_drafter(cfg, where)
     vocab = int(cfg["vocab_size"])
     if cfg.get("draft_vocab_size") not in (None, vocab):
         _unsupported(where, f"draft_vocab_size {cfg['draft_vocab_size']} != vocab_size "

@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..converter.plan import EAGLE3_ARCHITECTURES
+from ..converter.shapes import check_drafter
 from ..models.cache import KVCache
 from ..models.layers import Norm
 from ..models.quant import Weights
@@ -104,6 +105,7 @@ def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
             isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of "
                            f"integers, not {ids!r}")
+    check_drafter(cfg, where)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     vocab = int(cfg["vocab_size"])

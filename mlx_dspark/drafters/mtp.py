@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoint.integrity import check_level
+from ..checkpoint.recorded import check_files
 from ..converter.layout import mtp_pattern
 from ..kernels.norm import rms_norm
 from ..models.cache import KVCache
@@ -187,7 +188,9 @@ def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool
     if set(pattern) - set("*E"):
         raise CheckpointError(f"{path}/config.json: MTP layer pattern {pattern!r}: only "
                               f"attention (*) and MoE (E) layers are implemented")
-    w = {k: v for k, v in read_weights(path)[0].items() if k.startswith(PREFIX)}
+    layout = getattr(getattr(target, "format", None), "layout", None)
+    reads = check_files(path, verify, require_receipt=layout == "mlx-dspark")
+    w = read_weights(path, reads, keep=lambda name: name.startswith(PREFIX))[0]
     if not w:
         raise CheckpointError(f"{path}: converted without its MTP block (mtp.* tensors); "
                               f"convert again without --no-mtp for --drafter mtp")

@@ -21,7 +21,6 @@ import mlx.nn as nn
 from ..checkpoint.integrity import CheckpointError
 from ..device import on_gpu
 from .quant import DenseExperts, Weights, expert_compute_dtype, make_linear
-from .weights import read_weights
 
 EXPERT_NAMES = {".experts.up_proj": ".switch_mlp.fc1", ".experts.down_proj": ".switch_mlp.fc2"}
 _FIXED_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
@@ -58,6 +57,9 @@ def quant_params(quantization: dict, name: str, tensors: dict, in_dims: int) -> 
     None for a float module."""
     if name in quantization:
         entry = quantization[name]
+        if entry is True:                   # mlx-lm: quantized with the defaults
+            entry = {k: quantization[k] for k in ("group_size", "bits", "mode")
+                     if k in quantization}
         return dict(entry) if entry else None
     scales = tensors.get(f"{name}.scales")
     if scales is None:
@@ -171,7 +173,7 @@ class MlxLmWeights(Weights):
                                   f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
 
 
-def mlx_lm_weights(path, raw: dict, cfg, dtype) -> MlxLmWeights:
-    """The tensors of the mlx-lm-layout directory ``path`` (config ``raw``, parsed ``cfg``)."""
+def mlx_lm_weights(tensors: dict, raw: dict, cfg, dtype) -> MlxLmWeights:
+    """The tensors of an mlx-lm-layout directory (config ``raw``, parsed ``cfg``)."""
     quantization = raw.get("quantization") or {}
-    return MlxLmWeights(read_weights(path)[0], dtype, None, cfg, quantization)
+    return MlxLmWeights(tensors, dtype, None, cfg, quantization)

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field, fields
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.formats import convert_first, detect_dir, read_target_config
+from ..checkpoint.formats import convert_first, detect_dir, read_target_config, tensor_shapes
 from ..checkpoint.recorded import check_files
 from ..checkpoint.integrity import CheckpointError
 from ..converter.layout import decode_float, latent_problem, layer_pattern
+from ..converter.shapes import check_quantization, check_tensors, check_values
 from ..device import on_gpu
 from ..kernels import mamba as K
 from ..kernels.norm import gated_rms_norm, rms_norm
@@ -102,8 +103,7 @@ class TargetConfig:
                 raise ValueError(f"{source}: {e}") from None
         if pattern is None:
             raise ValueError(f"{source}: needs hybrid_override_pattern or layers_block_type")
-        pattern = "".join(pattern)
-        if set(pattern) - set("ME*-"):
+        if not isinstance(pattern, str) or set(pattern) - set("ME*-"):
             raise ValueError(f"{source}: hybrid_override_pattern {pattern!r} has block kinds "
                              "other than M, E, * and -")
         if "n_routed_experts" not in d and "num_local_experts" in d:
@@ -113,10 +113,16 @@ class TargetConfig:
         missing = [k for k in ("vocab_size", "hidden_size") if k not in known]
         if missing:
             raise ValueError(f"{source}: missing {', '.join(missing)}")
-        limit = known.get("time_step_limit")
-        if limit is not None:
-            known["time_step_limit"] = tuple(decode_float(v) for v in limit)
-        return cls(hybrid_override_pattern=pattern, extra=d, **known)
+        cfg = cls(hybrid_override_pattern=pattern, extra=d, **known)
+        check_values(cfg.values(), pattern, source)
+        cfg.time_step_limit = tuple(decode_float(v) for v in cfg.time_step_limit)
+        return cfg
+
+    def values(self) -> dict:
+        """The config as converter/shapes.py checks it: ``config.json``'s fields with the
+        defaults filled in."""
+        return {**self.extra, **{f.name: getattr(self, f.name) for f in fields(self)
+                                 if f.name != "extra"}}
 
 
 # ------------------------------------------------------------------------------- blocks
@@ -336,6 +342,11 @@ class NemotronH(nn.Module):
         w = w if isinstance(w, Weights) else Weights(w, dtype, nvfp4)
         # Kept as stored: decoding reads one row per token, upcast in embed().
         self.embeddings = w.embedding("backbone.embeddings")
+        rows = (self.embeddings.weight if isinstance(self.embeddings, nn.Module)
+                else self.embeddings).shape[0]
+        if rows != cfg.vocab_size:       # token ids are checked against vocab_size
+            raise ValueError(f"config.json: vocab_size {cfg.vocab_size} but the embedding table "
+                             f"has {rows} rows")
         self.layers = [Block(c, cfg, w, i) for i, c in enumerate(cfg.hybrid_override_pattern)]
         self.norm_f = w.cast("backbone.norm_f.weight")
         if "lm_head.weight" in w:
@@ -385,7 +396,7 @@ class NemotronH(nn.Module):
     def context_limit(self) -> int | None:
         """Maximum sequence length the config declares (max_position_embeddings), if any."""
         limit = self.config.extra.get("max_position_embeddings")
-        return int(limit) if limit else None
+        return None if limit is None else int(limit)
 
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
@@ -516,18 +527,20 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
         # ModelOpt's own layout (U8 nibbles, F8 block scales) is not ours: refuse rather than
         # misread NVFP4 block scales as FP8 weights.
         raise ValueError(convert_first(path, fmt))
-    check_files(path, verify, require_receipt=fmt.layout == "mlx-dspark")
     cfg = TargetConfig.from_dict(raw, cfg_path)
-    if fmt.layout == "mlx-lm":
-        w = mlx_lm_weights(path, raw, cfg, dtype)
-        tensors = w.tensors
-    else:
-        tensors = stack_experts(read_weights(path)[0], cfg.num_hidden_layers)
-        w = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
-    latent = latent_problem(raw, {k: v.shape for k, v in tensors.items()}, cfg_path)
+    shapes = tensor_shapes(path)          # the headers: the tensors decide, before any weight
+    latent = latent_problem(raw, shapes, cfg_path)
     if latent:
         raise CheckpointError(latent)
-    del tensors
+    check_tensors(cfg.values(), cfg.hybrid_override_pattern, shapes, cfg_path)
+    if fmt.layout != "hf" and isinstance(raw.get("quantization"), dict):
+        check_quantization(raw["quantization"], shapes, fmt.layout, cfg_path)
+    reads = check_files(path, verify, require_receipt=fmt.layout == "mlx-dspark")
+    w = read_weights(path, reads, keep=lambda name: not name.startswith("mtp."))[0]
+    if fmt.layout == "mlx-lm":
+        w = mlx_lm_weights(w, raw, cfg, dtype)
+    else:
+        w = stack_experts(w, cfg.num_hidden_layers)
     try:
         model = NemotronH(cfg, w, dtype, nvfp4)
     except KeyError as e:

@@ -5,34 +5,79 @@ converter/layout.py's."""
 
 from __future__ import annotations
 
-import json
+import os
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..checkpoint.integrity import CheckpointError, checkpoint_files
+from ..checkpoint.integrity import CheckpointError, Reads, checkpoint_files
+from ..converter.errors import ConversionError
 from ..converter.layout import GROUP_SIZE
+from ..converter.safetensors_io import header_of, open_regular, read_chunks, read_header
 from .quant import DenseExperts, ScaledLinear
 
 
-def read_weights(path: str) -> tuple[dict, dict]:
+def read_weights(path: str, reads: Reads | None = None, keep=None) -> tuple[dict, dict]:
     """All tensors of the checkpoint's weight files (integrity.checkpoint_files), and which file
-    each came from. A tensor in two files is refused: a stray copy never overrides another."""
+    each came from; with ``keep``, only the names it accepts. A tensor in two files is refused:
+    a stray copy never overrides another. ``reads`` (integrity.check_checkpoint,
+    recorded.check_files): the hashes each file's bytes are checked against as they are read,
+    so the tensors are made from the very bytes that were checked."""
+    reads = Reads() if reads is None else reads
     weights, origin = {}, {}
     for f in checkpoint_files(path):
-        try:
-            shard = mx.load(f)
-        except Exception as e:  # MLX reports truncated/corrupt files with various types
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-        for k, v in shard.items():
+        for k, v in read_file(f, reads.get(f), keep).items():
             if k in origin:
                 raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
             weights[k] = v
             origin[k] = f
+    reads.done()
     return weights, origin
+
+
+MLX_DTYPES = {"BOOL", "U8", "I8", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+              "I64", "U64"}
+"""The safetensors dtypes ``mx.load`` reads (F8_E4M3 as its bytes)."""
+
+
+def read_file(f: str, reading=None, keep=None) -> dict:
+    """The tensors of one safetensors file (with ``keep``, those it accepts), its header checked
+    whole first (converter/safetensors_io.header_of: no name twice, no overlapping or stray
+    bytes). MLX reads the file this function opened (its descriptor, whatever the name
+    points to by then); with ``reading`` (integrity.Reading) each tensor is read at once and
+    the bytes MLX holds, in file order after the header's, are what is hashed."""
+    try:
+        with open_regular(Path(f)) as fh:
+            try:
+                infos, head = header_of(fh, Path(f))
+            except ConversionError:
+                if reading is not None:       # a file changed since its hashes is named so
+                    for pos, view in read_chunks(fh, 0, os.fstat(fh.fileno()).st_size):
+                        reading.feed(pos, view)
+                raise
+            odd = next((t for t in infos.values() if t.dtype not in MLX_DTYPES), None)
+            if odd is not None:
+                raise CheckpointError(f"{f}: tensor {odd.name!r} is {odd.dtype}, a dtype MLX "
+                                      f"does not load")
+            try:
+                loaded = mx.load(f"/dev/fd/{fh.fileno()}", format="safetensors")
+            except Exception as e:  # MLX reports unreadable files with various types
+                raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+            out = {n: a for n, a in loaded.items() if keep is None or keep(n)}
+            if reading is None:
+                return out                    # read lazily, as the model converts them
+            reading.feed(0, head)
+            for t in sorted(infos.values(), key=lambda t: t.start):
+                if t.name in out or reading.wants(t.start, t.nbytes):
+                    reading.feed(t.start, memoryview(loaded[t.name].reshape(-1).view(mx.uint8)))
+            reading.finish()
+            return out
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
 
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -45,19 +90,16 @@ _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np
 
 
 def read_raw_safetensors(f: str) -> dict:
-    """name -> (safetensors dtype string, numpy array of the stored bits), parsed from the
-    file's own header (independent of MLX's loader, so the gate checks one with the other)."""
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    data = np.memmap(f, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = info["data_offsets"]
-        out[name] = (info["dtype"], data[b:e].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"]))
-    return out
+    """name -> (safetensors dtype string, numpy array of the stored bits), through a memory
+    map of the file (independent of the loader's reads, so the gate checks one with the
+    other), its header checked whole."""
+    try:
+        infos = read_header(Path(f))
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    data = np.memmap(f, dtype=np.uint8, mode="r")
+    return {name: (t.dtype, data[t.start:t.start + t.nbytes].view(_ST_DTYPES[t.dtype])
+                   .reshape(t.shape)) for name, t in infos.items()}
 
 
 def _e4m3_values() -> np.ndarray:

@@ -17,7 +17,6 @@ cache-prompt``) live under ``named/`` and are never evicted."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..checkpoint.private_dir import private_directory
 from ..decode.session import Snapshot, drafter_kind
 from .snapshot_file import SnapshotError, SnapshotFile, encode, read_snapshot, write, \
     write_snapshot
@@ -104,7 +104,7 @@ class PromptStore:
         self.t_write = self.t_read = 0.0
         for path in (self.dir, os.path.join(self.dir, "named")):
             os.makedirs(path, mode=0o700, exist_ok=True)
-            with _directory(path):      # checked now, and again before each write
+            with private_directory(path):      # checked now, and again before each write
                 pass
         self._scan()
 
@@ -188,7 +188,7 @@ class PromptStore:
     def save_named(self, name: str, snap: Snapshot, extra: dict) -> str:
         """Write ``snap`` as ``named/NAME`` with ``extra`` (JSON) beside it; returns the path."""
         path = self.named_path(name)
-        with _directory(os.path.dirname(path)) as dfd:
+        with private_directory(os.path.dirname(path)) as dfd:
             write_snapshot(os.path.basename(path), snap, self.ident, "", extra, dir_fd=dfd)
         return path
 
@@ -225,7 +225,7 @@ class PromptStore:
     def _locked(self):
         """The directory, checked, as a descriptor, with its lock held: no other process
         writes or evicts in it meanwhile (closing the lock's descriptor releases it)."""
-        with _directory(self.dir) as dfd:
+        with private_directory(self.dir) as dfd:
             lock = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
@@ -275,28 +275,6 @@ class PromptStore:
         path = os.path.join(self.dir, name)
         with SnapshotFile(path, self.ident) as f:
             self.entries[path] = Entry(path, f.tokens(), f.meta["space"], f.st.st_size)
-
-
-@contextmanager
-def _directory(path: str):
-    """A descriptor of ``path`` once it is a real directory (not a symlink) of this user that
-    neither its group nor others may write."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise OSError(f"{path} is not a directory (a symlink or a file)") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid():
-            raise OSError(f"{path} belongs to another user")
-        if st.st_mode & 0o022:
-            raise OSError(f"{path} can be written by other users (mode "
-                          f"{stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def _snapshot_files(dfd: int) -> list[tuple[int, str, int]]:

@@ -42,6 +42,10 @@ def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
         if ids > vocab_size:
             raise ValueError(f"{path}: the tokenizer has ids up to {ids - 1} but the model's "
                              f"vocab_size is {vocab_size}: a tokenizer for another model")
+        bad = sorted(i for i in tokenizer.eos_token_ids if not 0 <= i < vocab_size)
+        if bad:                           # stop ids: checked like any other id
+            raise ValueError(f"{path}: eos_token_id {bad[0]} (generation_config.json or the "
+                             f"tokenizer's) is outside the model's vocabulary [0, {vocab_size})")
     return tokenizer
 
 
