@@ -58,6 +58,8 @@ def template_calls(monkeypatch):
 
 import builtins
 import dis
+import importlib
+import importlib.util
 import inspect
 import socket
 import subprocess
@@ -149,7 +151,7 @@ def _naming(func):
             elif ins.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_NAME"):
                 obj = local.get(name)
             elif ins.opname == "IMPORT_NAME":
-                obj, imported = sys.modules.get(name), name
+                obj, imported = _module(name), name
             elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM") and obj is not None:
                 try:
                     obj = inspect.getattr_static(obj, name)
@@ -160,6 +162,20 @@ def _naming(func):
                 continue
             if obj is not None:
                 yield obj
+
+
+def _module(name: str):
+    """The module an import inside a function names: one already imported, or a helper of
+    tests/ (imported now, so the walk can follow it even when this run did not collect it)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not str(Path(spec.origin).resolve()).startswith(_WALKED):
+        return None
+    return importlib.import_module(name)
 
 
 def _walked(obj) -> bool:
