@@ -3,8 +3,19 @@ server_helpers, reference_drafter, cli_pair) import by name because pytest puts 
 ``sys.path`` (rootdir-relative, no ``__init__.py``); the committed tiny drafter fixture's module
 imports as ``fixtures.drafter.tiny`` the same way. Nothing outside tests/ imports from it."""
 
+import builtins
+import dis
+import importlib
+import importlib.util
+import inspect
 import os
 import signal
+import socket
+import subprocess
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -50,22 +61,13 @@ def template_calls(monkeypatch):
 # --- the unit lane (`pytest -m unit`): every test that needs no model, server or subprocess
 #
 # A test is marked ``unit`` at collection unless it is slow or long, or what it runs reaches
-# something that loads a checkpoint, serves, or starts a process (HEAVY below): found by
-# following, through the bytecode, every global and attribute the test function, its fixtures
-# and the helpers they call (in tests/ and mlx_dspark/testing) name. What the walk misses is
-# caught when it runs: a unit test that loads a checkpoint, starts a process or listens on a
-# socket fails, naming what it did, so the lane can neither slow down nor pass unnoticed.
+# something that loads a checkpoint, builds a model, serves, starts a process or runs code from
+# text (``_heavy``): found by following, through the bytecode, every global and attribute the
+# test function, its fixtures and the helpers they call (in tests/ and mlx_dspark/testing)
+# name. What the walk misses is caught when it runs: a unit test that reads a checkpoint,
+# builds a model, starts a process or listens on a socket fails, naming what it did, so the
+# lane can neither slow down nor pass unnoticed.
 
-import builtins
-import dis
-import importlib
-import importlib.util
-import inspect
-import socket
-import subprocess
-import sys
-import types
-from pathlib import Path
 
 def _walked_folders() -> tuple[str, ...]:
     import mlx_dspark.testing
@@ -96,7 +98,7 @@ def _heavy() -> dict:
     server = [Engine, create_app, TestClient]
     # a whole network, even a tiny random one (mlx_dspark/testing/toy.py): decoding on it is
     # what makes a test take seconds
-    built = [*MODELS(), mlx_lm_nemotron_h.Model]
+    built = [*_model_classes(), mlx_lm_nemotron_h.Model]
     unseen = [builtins.exec, builtins.eval]      # what it runs, the walk cannot follow
     return {id(o): why for objects, why in ((process, "starts a process"),
                                             (unseen, "runs code from text"),
@@ -105,7 +107,7 @@ def _heavy() -> dict:
                                             (server, "serves")) for o in objects}
 
 
-def MODELS() -> list:
+def _model_classes() -> list:
     """The classes of a whole target or drafter."""
     from mlx_dspark.drafters.base import DrafterBase
     from mlx_dspark.models.nemotron_h import NemotronH
@@ -124,7 +126,7 @@ def _code_objects(code):
             yield from _code_objects(c)
 
 
-_NAMED: dict = {}
+_NAMED: dict = {}      # id -> (the function, kept so that its id stays its own; what it names)
 
 
 def _named(func) -> list:
@@ -229,8 +231,8 @@ class NotAUnitTest(Exception):
 
 def _refuse(what: str):
     def refuse(*args, **kwargs):
-        raise NotAUnitTest(f"a unit test {what}: it needs a mark the walk in tests/conftest.py "
-                           f"finds (slow), or a helper the walk can follow")
+        raise NotAUnitTest(f"a unit test {what}: mark it slow, or do it through a helper that "
+                           f"the walk in tests/conftest.py can follow")
     return refuse
 
 
@@ -246,25 +248,25 @@ def pytest_runtest_call(item):
         yield
 
 
-class _guarded:
-    def __init__(self, item):
-        self.on = item.get_closest_marker("unit") is not None
-
-    def __enter__(self):
-        if self.on:
-            import mlx.core as mx
-            refused = [(subprocess.Popen, "__init__", "started a process"),
-                       (socket.socket, "listen", "listened on a socket"),
-                       (mx, "load", "read a checkpoint")] + [
-                (cls, "__init__", f"built a model ({cls.__name__})") for cls in MODELS()]
-            self.saved = [(o, n, vars(o).get(n)) for o, n, _ in refused]
-            for o, n, what in refused:
-                setattr(o, n, _refuse(what))
-
-    def __exit__(self, *exc):
-        if self.on:
-            for o, n, v in reversed(self.saved):
-                if v is None:
-                    delattr(o, n)
-                else:
-                    setattr(o, n, v)
+@contextmanager
+def _guarded(item):
+    """While a unit test (and its fixtures) runs, what it may not do raises NotAUnitTest."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    import mlx.core as mx
+    refused = [(subprocess.Popen, "__init__", "started a process"),
+               (socket.socket, "listen", "listened on a socket"),
+               (mx, "load", "read a checkpoint")] + [
+        (cls, "__init__", f"built a model ({cls.__name__})") for cls in _model_classes()]
+    saved = [(o, n, vars(o).get(n)) for o, n, _ in refused]
+    for o, n, what in refused:
+        setattr(o, n, _refuse(what))
+    try:
+        yield
+    finally:
+        for o, n, v in reversed(saved):
+            if v is None:           # inherited: it goes back to being so
+                delattr(o, n)
+            else:
+                setattr(o, n, v)
