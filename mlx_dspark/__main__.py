@@ -1,4 +1,4 @@
-"""``python -m mlx_dspark``: the ``mlx-dspark`` command (cli/main.py)."""
+"""``python -m mlx_dspark``: the ``mlx-dspark`` command (cli/dispatch.py)."""
 
 import sys
 

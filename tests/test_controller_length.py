@@ -6,6 +6,8 @@ and the lengths follow the drafter's acceptance and the machine's cost curve."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -141,6 +143,55 @@ def test_the_load_time_curve_is_the_least_squares_line_and_never_falls():
     assert L.line([1.0, 1.5, 2.0]) == pytest.approx([1.0, 1.5, 2.0])   # a line stays itself
     assert L.line([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3)         # a falling one: flat
     assert L.line([2.5]) == [2.5]
+
+
+def test_a_spike_at_the_long_end_never_prices_a_short_round_at_nothing_or_less():
+    # one length's rounds timed while the machine was busy (load average 6 on 2 cores): the
+    # least-squares line through them crosses zero at one draft
+    raw = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 20.0]
+    assert np.polyval(np.polyfit(np.arange(1, 8), raw, 1), 1) < 0
+    loaded = L.line(raw)
+    assert min(loaded) == 1.0 and all(b >= a for a, b in zip(loaded, loaded[1:]))
+    # a fresh median far below the load-time curve: the lengths it moves stay above the least
+    # cost measured
+    curve = L.Curve([2.0, 2.5, 9.0])
+    curve.observe(3, 0.5)
+    assert curve.costs() == [0.5, 0.5, 0.5]
+
+
+class Clock:
+    """``time.perf_counter`` as a test sets it: each reading ``step`` seconds after the last
+    (0: a clock that stands still, as a coarse one does over short work; below 0: one that
+    steps back)."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 1000.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.mark.parametrize("step", [0.0, -1e-3], ids=["still", "back"])
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_no_cost_is_ever_non_positive_whatever_the_clock_reads(target, monkeypatch, step, mode):
+    """Every cost is a difference of clock readings: with differences of zero or less the
+    round costs, the serial step, the curve measured at load and refreshed by the rounds all
+    stay positive, and the output is still serial greedy's."""
+    monkeypatch.setattr(time, "perf_counter", Clock(step))
+    drafter = random_mtp(target, seed=2)
+    session = Session(target, drafter)
+    prompt = PROMPTS[1]
+    out = list(decode(session, Request(prompt, max_tokens=24, num_draft="auto",
+                                       speculative=mode)))
+    monkeypatch.undo()
+    assert out == serial_greedy(target, prompt, 24)
+    curve = drafter._auto_curve
+    assert curve.step > 0 and min(curve.loaded) > 0 and min(curve.costs()) > 0
+    assert curve.seen and min(r for seen in curve.seen.values() for _, r in seen) > 0
+    if mode == "auto":      # (a forced call's controller is its own, not kept)
+        control = session.controller
+        assert control.serial_times and min(control.serial_times + control.round_ratios) > 0
 
 
 def test_every_explore_th_round_drafts_one_more_and_corrects_an_over_priced_curve(monkeypatch):

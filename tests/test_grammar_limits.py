@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import jsonschema
 import llguidance
@@ -210,24 +209,46 @@ SLOW = {"type": "object", "properties": {
     for i in range(2000)}}
 
 
-def test_a_grammar_compiles_off_the_event_loop(client, monkeypatch):
-    monkeypatch.setattr(grammar_limits, "COMPILE_SECONDS", 120.0)   # a loaded machine's time
-    done = []
+@pytest.fixture
+def held(monkeypatch):
+    """Every grammar compilation waits on its compiler thread until the test releases it:
+    one as slow as the test needs on any machine, loaded or not (events, not durations)."""
+    started, release = threading.Event(), threading.Event()
+    real = grammar_limits.compiled
+
+    def compiled(work, *args, **kw):
+        def held_work(*a):
+            started.set()
+            release.wait()
+            return work(*a)
+        return real(held_work, *args, **kw)
+
+    monkeypatch.setattr(grammar_limits, "compiled", compiled)
+    yield started, release
+    release.set()
+
+
+def test_a_grammar_compiles_off_the_event_loop(client, monkeypatch, held):
+    started, release = held
+    monkeypatch.setattr(grammar_limits, "COMPILE_SECONDS", 120.0)
+    done, health = [], []
     slow = threading.Thread(target=lambda: done.append(client.post("/v1/completions", json={
         "prompt": "x", "max_tokens": 1, "response_format": {
             "type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW}}})))
     slow.start()
-    time.sleep(0.5)
-    started = time.monotonic()
-    assert client.get("/health").status_code == 200
-    waited = time.monotonic() - started
-    compiling = slow.is_alive()
+    assert started.wait(120)                # compiling, until /health has answered
+    asking = threading.Thread(target=lambda: health.append(client.get("/health").status_code))
+    asking.start()
+    asking.join(120)        # only a guard: a compilation on the event loop never lets it answer
+    answered = list(health)
+    release.set()
     slow.join()
-    assert compiling and waited < 1.0, (compiling, waited)
+    asking.join()
+    assert answered == [200]
     assert done[0].status_code == 200, done[0].text
 
 
-def test_a_compilation_past_the_time_limit_is_a_400(client, monkeypatch):
+def test_a_compilation_past_the_time_limit_is_a_400(client, monkeypatch, held):
     monkeypatch.setattr(grammar_limits, "COMPILE_SECONDS", 0.3)
     r = post(client, {"response_format": {"type": "json_schema",
                                           "json_schema": {"name": "slow", "schema": SLOW}}})

@@ -298,7 +298,9 @@ def test_two_stores_sharing_a_directory_keep_its_budget_and_the_newest_files(pai
         assert store.add(snap)
         written.append(store._name(snap.tokens, ""))
         assert _dir_bytes(tmp_path) <= a.budget
-        time.sleep(0.02)                    # distinct modification times
+        # the order of use, set rather than slept for: a file system's clock may not tell
+        # writes a few milliseconds apart (and the clock may step back)
+        os.utime(tmp_path / written[-1], ns=((i + 1) * 10**9,) * 2)
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith(SUFFIX)) == \
         sorted(written[-3:])
 

@@ -14,44 +14,13 @@ import argparse
 import json
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
-
-from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
 from common import THREADS, tokens
 from data import HERE, WORK
-from drafter_model import DrafterConfig, DSparkDrafter, block_mask
+from drafter_io import load_packed_drafter, target_taps
+from drafter_model import block_mask
 from export_target import load_dequantized
-from train_drafter import target_taps
-
-PACKED = WORK / "drafter_nvfp4"
-
-
-def load_packed_drafter(path=PACKED):
-    cfg = json.loads((path / "config.json").read_text())
-    c = DrafterConfig(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-        vocab_size=cfg["vocab_size"], target_layer_ids=cfg["target_layer_ids"],
-        sliding_window=cfg["sliding_window"], markov_rank=cfg["markov_rank"],
-        mask_token_id=cfg["mask_token_id"], block_size=cfg["block_size"],
-        rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"])
-    t = load_file(path / "model.safetensors")
-    sd = {}
-    for name, w in t.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in ("weight_scale", "weight_scale_2"):
-            continue
-        if w.dtype == torch.uint8:
-            q = NVFP4QTensor(torch.Size([w.shape[0], w.shape[1] * 2]), torch.float32, w)
-            w = q.dequantize(dtype=torch.float32, scale=t[prefix + ".weight_scale"],
-                             double_scale=t[prefix + ".weight_scale_2"], block_sizes={-1: 16})
-        sd[name] = w.float()
-    d = DSparkDrafter(c)
-    d.load_state_dict(sd)
-    return d.eval()
 
 
 @torch.no_grad()

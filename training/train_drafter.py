@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from common import SEQ_LEN, THREADS, resume, tokens
 from data import WORK
+from drafter_io import target_taps
 from drafter_model import DrafterConfig, DSparkDrafter, block_mask
 from export_target import load_dequantized
 from shapes import TARGET_LAYER_IDS
@@ -63,18 +64,6 @@ def drafter_config(target_cfg, mask_token_id, layers=LAYERS, intermediate=INTERM
         num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
         vocab_size=target_cfg.vocab_size, target_layer_ids=list(TARGET_LAYER_IDS),
         sliding_window=128, markov_rank=64, mask_token_id=mask_token_id)
-
-
-@torch.no_grad()
-def target_taps(target, ids):
-    """Pre-final-norm residual streams after TARGET_LAYER_IDS, concatenated: [B, T, n*h]."""
-    out = {}
-    hooks = [target.model.layers[i].register_forward_hook(lambda m, a, o, i=i: out.__setitem__(i, o))
-             for i in TARGET_LAYER_IDS]
-    logits = target(ids, use_cache=False).logits
-    for h in hooks:
-        h.remove()
-    return torch.cat([out[i] for i in TARGET_LAYER_IDS], -1), logits
 
 
 def target_logits_from_taps(target, taps):
@@ -183,7 +172,7 @@ def make_drafter(target, tok_mask_id, layers, intermediate, init=None):
     to fine-tune against a tuned target."""
     torch.manual_seed(SEED)
     if init is not None:
-        from eval_drafter import load_packed_drafter
+        from drafter_io import load_packed_drafter
 
         d = load_packed_drafter(Path(init)).train()
         d.embed_tokens.weight.requires_grad_(False)

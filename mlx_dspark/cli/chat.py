@@ -28,6 +28,7 @@ from ..stats import Stats, format_line, format_stats
 from ..text.tokenizer import _encode, message_boundaries, prompt_ids, template_options
 from .common import (CatchInterrupt, CommandError, PrefillMeter, flag_error, request_options,
                      utf8_text)
+from .interrupted import carry_on
 
 HELP = """Type a message and press Enter; a message in triple quotes (\"\"\") may span lines.
 commands:
@@ -177,6 +178,7 @@ class Chat:
                 print()
                 return 0
             except KeyboardInterrupt:
+                carry_on()
                 print("\n(Ctrl-D or /quit exits)")
                 continue
             except CommandError as e:
@@ -263,6 +265,7 @@ class Chat:
             self._answer(user, ids, self._stream(user, ids, request, PrefillMeter(interrupt)),
                          interrupt)
         except KeyboardInterrupt:       # in the prefill, before its next piece
+            carry_on()
             held = len(self.session.tokens)
             if before is not None:
                 self.session.restore(before)

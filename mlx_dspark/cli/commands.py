@@ -20,6 +20,7 @@ from .common import (CatchInterrupt, CommandError, PrefillMeter, _at_least, _pos
                      add_scheme_argument, add_stats_argument, add_system_prompt_argument,
                      add_template_arguments, flag_error, load_pair, request_options,
                      require_chat_template, utf8_text)
+from .interrupted import finished
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if interrupt.hit:
+        finished()      # a Ctrl-C from here on would say "interrupted" a second time
         print("mlx-dspark generate: interrupted", file=sys.stderr)
     if args.stats and stats is not None:
         print("\n".join(["=========="] + format_stats(stats)), file=sys.stderr)

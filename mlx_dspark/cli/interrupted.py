@@ -1,12 +1,17 @@
 """How a Ctrl-C ends the ``mlx-dspark`` command, wherever it lands (the imports, the model load,
-a prefill, an answer): one line and exit code 130. Standard library only, so the entry point
-(cli/__init__.py) has it before anything else is imported."""
+a prefill, an answer, the way out): one line and exit code 130. Standard library only, so the
+entry point (cli/__init__.py) has it before anything else is imported."""
 
 import functools
 import signal
 import sys
 
 RETRY = 0.01        # seconds: a Ctrl-C put off (see arm) is raised again this much later
+
+# True once a Ctrl-C has been raised as KeyboardInterrupt and nothing has carried on from it
+# (carry_on): the command is on its way out, and a second Ctrl-C must not raise into the
+# handler that is saying so.
+_spent = False
 
 
 def arm():
@@ -16,8 +21,12 @@ def arm():
     import an extension's initialisation may turn it into an ImportError with a traceback
     (numpy's, seen: "PyCapsule_Import could not import module datetime"); inside a finalizer or
     a weakref callback (importlib's module-lock one) Python prints it as "ignored" and goes
-    on. A KeyboardInterrupt dropped that way anywhere else is put off the same way. A process
-    started with Ctrl-C ignored (a background job) keeps ignoring it."""
+    on. A KeyboardInterrupt dropped that way anywhere else is put off the same way. One Ctrl-C
+    raises once: until someone carries on from it, a second one does nothing (it would land in
+    the ``except`` that is ending the command, and print a traceback). A process started with
+    Ctrl-C ignored (a background job) keeps ignoring it."""
+    global _spent
+    _spent = False
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGALRM, _interrupt)
@@ -26,27 +35,45 @@ def arm():
 
 
 def _interrupt(signum, frame):
+    global _spent
+    if signum == signal.SIGINT and _spent:
+        return
     f = frame
     while f is not None:
         if f.f_code.co_name == "__del__" or f.f_code.co_filename.startswith("<frozen importlib"):
             signal.setitimer(signal.ITIMER_REAL, RETRY)
             return
         f = f.f_back
+    _spent = True
     raise KeyboardInterrupt
 
 
 def _unraisable(hook, unraisable):
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
-        signal.setitimer(signal.ITIMER_REAL, RETRY)
+        signal.setitimer(signal.ITIMER_REAL, RETRY)     # SIGALRM raises it even when spent
     else:
         hook(unraisable)
 
 
+def carry_on():
+    """The command caught a Ctrl-C's KeyboardInterrupt and goes on (chat, at its prompt or
+    after a stopped message): the next Ctrl-C raises again."""
+    global _spent
+    _spent = False
+
+
+def finished():
+    """The command is done and only the interpreter's exit is left: a Ctrl-C now does nothing
+    (it would be a traceback from the console script or the interpreter's shutdown)."""
+    global _spent
+    _spent = True
+
+
 def interrupted(command: str | None) -> int:
-    """Say so on stderr and return 130. A second Ctrl-C on the way out does nothing (it would
-    be a traceback): a handler, not SIG_IGN, so processes started later are not left deaf."""
-    signal.signal(signal.SIGINT, lambda *_: None)
-    signal.setitimer(signal.ITIMER_REAL, 0)        # nor one put off
+    """Say so on stderr and return 130. A second Ctrl-C on the way out does nothing (see arm),
+    nor does one put off before."""
+    finished()
+    signal.setitimer(signal.ITIMER_REAL, 0)
     print(f"\nmlx-dspark{'' if command is None else ' ' + command}: interrupted",
           file=sys.stderr)
     return 130

@@ -209,7 +209,7 @@ class Eagle3Drafter(DrafterBase):
         for n in ("gate_proj", "up_proj", "down_proj"):
             setattr(m.mlp, n, wt.linear(f"midlayer.mlp.{n}"))
         self.norm = Norm(wt.cast("norm.weight"), eps)
-        self.lm_head = wt.linear("lm_head", mx.float32)
+        self.lm_head = wt.linear("lm_head")
         self.d2t = w["d2t"]
         if "t2d" in w:
             self.t2d = w["t2d"]
@@ -259,7 +259,7 @@ class Eagle3Drafter(DrafterBase):
     def logits(self, out):
         """Target-vocabulary logits ``[T, V]``: the draft vocabulary's at their target ids,
         -inf elsewhere."""
-        z = self.lm_head(self.norm(out).astype(mx.float32))
+        z = self.lm_head(self.norm(out)).astype(mx.float32)
         if self._identity:
             return z
         full = mx.full((z.shape[0], self.config.vocab_size), -mx.inf, dtype=mx.float32)

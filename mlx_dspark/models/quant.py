@@ -177,17 +177,21 @@ class NVFP4Experts(nn.Module):
 
 
 class DenseExperts(nn.Module):
-    """Float experts (BF16/F32 checkpoints, or FP8 decoded at load); ``scale`` is the
-    per-expert FP8 tensor scale, None for plain float weights."""
+    """Float experts (BF16/F32 checkpoints, or FP8 decoded at load), held in the model's dtype
+    and computed in ``compute_dtype`` (:func:`expert_compute_dtype`: float32 on the CPU, whose
+    ``gather_mm`` takes nothing else); ``scale`` is the per-expert FP8 tensor scale, None for
+    plain float weights."""
 
-    def __init__(self, weight, scale=None):
+    def __init__(self, weight, scale=None, compute_dtype=None):
         super().__init__()
         self.weight = weight
         if scale is not None:
             self.scale = scale
+        self.compute_dtype = compute_dtype or weight.dtype
 
     def __call__(self, x, idx, sorted_indices=False):
-        y = mx.gather_mm(x.astype(self.weight.dtype), self.weight.swapaxes(-1, -2),
+        cdt = self.compute_dtype
+        y = mx.gather_mm(x.astype(cdt), self.weight.astype(cdt).swapaxes(-1, -2),
                          rhs_indices=idx, sorted_indices=sorted_indices)
         if "scale" in self:
             y = y * self.scale[idx].astype(y.dtype)[..., None, None]
@@ -198,16 +202,17 @@ def make_experts(weights: dict, prefix: str, dtype=mx.float32) -> nn.Module:
     """The stacked experts stored under ``prefix``. NVFP4 experts always stay packed: on the
     CPU ``gather_qmm`` in float32 beats ``gather_mm`` over decoded weights
     (docs/history/measurements.md) and reads 8x fewer bytes, and decoding the 128 experts of a real
-    MoE layer would take 5 GB in float32."""
+    MoE layer would take 5 GB in float32. Float experts are held in ``dtype`` (bf16 stays bf16,
+    as the dtype asked for) and cast to the compute dtype as they are used."""
     cdt = expert_compute_dtype(dtype)
     fmt = module_format(weights, prefix)
     if fmt == "nvfp4":
         return NVFP4Experts(weights[f"{prefix}.weight"], weights[f"{prefix}.scales"],
                             weights[f"{prefix}.weight_scale_2"].astype(mx.float32), cdt)
     if fmt == "fp8":
-        return DenseExperts(fp8_e4m3_to_float(weights[f"{prefix}.weight"], cdt),
-                            weights[f"{prefix}.weight_scale"].astype(mx.float32))
-    return DenseExperts(weights[f"{prefix}.weight"].astype(cdt))
+        return DenseExperts(fp8_e4m3_to_float(weights[f"{prefix}.weight"], dtype),
+                            weights[f"{prefix}.weight_scale"].astype(mx.float32), cdt)
+    return DenseExperts(weights[f"{prefix}.weight"].astype(dtype), compute_dtype=cdt)
 
 
 @dataclass(frozen=True)
