@@ -340,7 +340,8 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    repetition_penalty=repetition_penalty,
                    repetition_context_size=repetition_context_size,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                   logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler)
+                   logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler,
+                   split_thinking=split_thinking)
 
 
 def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
@@ -420,8 +421,10 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     the answer where it is first complete); ``chat_template_kwargs`` (such as
     ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
-    ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
-    the block itself and the model answers; ``split_thinking=False`` leaves the thinking in
+    ``chunk.text``; a ``<think>`` or ``</think>`` the model writes outside an open block never
+    reaches ``chunk.text`` (one before any answer opens a block, others are dropped);
+    ``thinking_token_budget``: most thinking tokens before the engine closes the block itself
+    and the model answers; ``split_thinking=False`` leaves the thinking and every tag in
     ``chunk.text``, as the model wrote it.
 
     ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
@@ -533,7 +536,8 @@ def chunks(pair: Pair, request: Request, tokens: Iterator[int], stats: Stats) ->
     detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:
         detok.reset()
-    splitter = reasoning.Splitter() if request.thinking is not None else None
+    splitter = reasoning.Splitter(request.thinking is not None) \
+        if request.split_thinking else None
     # Under a grammar a stop string cuts nothing: once seen, it ends the answer after the first
     # token at which the answer is complete (docs/grammar.md), so an answer that stops parses.
     complete_after = request.grammar.acceptor() \

@@ -24,45 +24,59 @@ def opens_thinking(prompt_text: str) -> bool:
 
 
 class Splitter:
-    """Cuts the streamed text of a reply that starts inside a thinking block into
-    ``(reasoning, content)`` pieces. The answer's leading newlines are dropped (the template
-    writes them, the answer does not start with them)."""
+    """Cuts the streamed text of a reply into ``(reasoning, content)`` pieces; ``thinking``:
+    the reply starts inside a thinking block (its prompt opened one). The answer's leading
+    newlines are dropped (the template writes them, the answer does not start with them).
 
-    def __init__(self):
-        self.thinking = True
-        self.held = ""          # reasoning text that may be the start of CLOSE
+    A tag outside an open block never reaches the answer, as vLLM's and llama.cpp's reasoning
+    parsers have it: a ``<think>`` before any answer text opens a block (llama.cpp reads a
+    reply that starts with one as reasoning), any other ``<think>`` or ``</think>`` is dropped
+    (vLLM skips the tags' own tokens). Inside a block only ``</think>`` means something: it
+    closes it. What could still become a tag is held back, so streamed pieces join to exactly
+    what :func:`split` gives for the whole text."""
+
+    def __init__(self, thinking: bool = True):
+        self.thinking = thinking
+        self.held = ""          # text that may be the start of a tag
         self.started = False    # the answer has shown a character other than a newline
 
     def add(self, text: str) -> tuple[str, str]:
-        if not self.thinking:
-            return "", self._content(text)
-        text = self.held + text
-        at = text.find(CLOSE)
-        if at >= 0:
-            self.thinking, self.held = False, ""
-            return text[:at], self._content(text[at + len(CLOSE):])
-        keep = partial_tag(text, CLOSE)
-        self.held = text[len(text) - keep:]
-        return text[:len(text) - keep], ""
+        text, self.held = self.held + text, ""
+        reasoning, content = [], []
+        while text:
+            tags = (CLOSE,) if self.thinking else (OPEN, CLOSE)
+            at, tag = min(((text.find(t), t) for t in tags if t in text), default=(-1, ""))
+            if at < 0:
+                keep = max(partial_tag(text, t) for t in tags)
+                at, self.held = len(text) - keep, text[len(text) - keep:]
+            (reasoning if self.thinking else content).append(self._shown(text[:at]))
+            if not tag:
+                break
+            text = text[at + len(tag):]
+            self.thinking = tag == OPEN and not self.started
+        return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
-        """What is still held back, at the end of the reply (it was not a closing tag)."""
+        """What is still held back, at the end of the reply (it was not a tag)."""
         held, self.held = self.held, ""
-        return held, ""
+        return (held, "") if self.thinking else ("", self._shown(held))
 
-    def _content(self, text: str) -> str:
+    def _shown(self, text: str) -> str:
+        if self.thinking:
+            return text
         if not self.started:
             text = text.lstrip("\n")
             self.started = bool(text)
         return text
 
 
-def split(text: str) -> tuple[str, str]:
-    """``(reasoning, content)`` of the whole text of a reply that started thinking."""
-    s = Splitter()
+def split(text: str, thinking: bool = True) -> tuple[str, str]:
+    """``(reasoning, content)`` of the whole text of a reply (``thinking``: it started inside
+    a thinking block)."""
+    s = Splitter(thinking)
     r1, c1 = s.add(text)
-    r2, _ = s.finish()
-    return r1 + r2, c1
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2
 
 
 def partial_tag(text: str, tag: str) -> int:
