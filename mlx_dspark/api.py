@@ -53,6 +53,15 @@ class Pair:
     # turns token by token (and one thread may still interleave several generations).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        """One line: where the target came from, which drafter and why (the dataclass's own
+        repr printed every module of both models)."""
+        where = str(self.path) if self.path is not None else type(self.target).__name__
+        drafter = self.drafter_note or ("no drafter" if self.drafter is None
+                                        else type(self.drafter).__name__)
+        tokenizer = "" if self.tokenizer is not None else ", no tokenizer"
+        return f"Pair({where}, {drafter}{tokenizer})"
+
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
         calls whose prompts extend each other (a chat) and only the new tokens are
