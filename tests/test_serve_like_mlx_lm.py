@@ -182,3 +182,19 @@ def test_the_start_banner_says_what_where_and_with_what_memory():
                             f"DSpark drafter, float32, ")
     assert first.endswith(f"GB in memory, on http://127.0.0.1:{port}/v1 (request defaults: "
                           f"temperature 0.3)")
+
+
+def test_agent_probes_get_the_context_and_a_200_at_the_root(engine, pair):
+    """Issue 41: Codex reads a model's context window from its metadata (``context_window``;
+    vLLM serves ``max_model_len``), and Claude Code probes ``HEAD /``, which got a 404."""
+    client = TestClient(create_app(engine, ["lightning"], "key"), base_url="http://localhost")
+    listed = client.get("/v1/models", headers={"Authorization": "Bearer key"}).json()["data"]
+    one = client.get("/v1/models/lightning", headers={"Authorization": "Bearer key"}).json()
+    limit = pair.target.context_limit
+    assert limit == 65536                                     # the demo's config.json
+    for m in (listed[0], one):
+        assert m["max_model_len"] == m["context_length"] == m["context_window"] == limit
+        assert m["input_modalities"] == ["text"]
+    head = client.head("/")                                   # no key: a probe
+    assert head.status_code == 200 and head.content == b""
+    assert client.get("/").json() == {"status": "ok", "model": "lightning"}
