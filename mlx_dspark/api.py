@@ -206,8 +206,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     from .checkpoint.formats import convert_first, detect_dir
     from .checkpoint.memory import check_download, check_fits
     from .checkpoint.recorded import recorded_hash
-    from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
-    from .models.nemotron_h import compute_dtype, load_target, read_target_config
+    from .drafters import DEFAULT_DEMO, check_pairing, load_drafter, locate, of_target
+    from .models.nemotron_h import TargetConfig, compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
 
     why = {"none": "--drafter none", None: "no drafter named"}.get(drafter, "")
@@ -231,6 +231,12 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
         drafter, why = pairing.resolve_default(raw)
     elif drafter is not None and not of_target(drafter):
         drafter = hub.resolve(drafter, "drafter")
+    # Config, tokenizer and pairing first: what is wrong with them is said before any weight
+    # (or safetensors header) is read, not after a multi-GB load.
+    config = TargetConfig.from_dict(raw, str(Path(model) / "config.json"))
+    tokenizer = load_tokenizer(model, config.vocab_size)
+    if drafter is not None:
+        check_pairing(drafter, config)
     if memory_check:
         check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
@@ -238,7 +244,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
-                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
+                tokenizer=tokenizer, path=Path(model),
                 receipts=(own, f"{drafter}:{own}" if of_target(drafter)
                           else receipt_hash(drafter)))
     pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
