@@ -62,3 +62,14 @@ def test_the_first_run_says_it_compiles_kernels(monkeypatch, capsys, cold):
     said = ("mlx-dspark generate: first run on this machine: MLX compiles its CPU kernels now "
             "(about a minute; later runs reuse them)\n")
     assert (said in err) == cold
+
+
+def test_the_warm_up_prefills_past_the_short_block_kernels(shapes):
+    """Issue 41: the warm-up's 2-token prompt never ran the kernels a real prompt's prefill
+    runs (longer than the fused norm's rows and the serial SSM recurrence), so the first
+    ``--stats`` timed their compilation: a 49-token prefill at 19-22 tokens/s, 940 warm."""
+    from mlx_dspark.kernels.norm import FUSED_ROWS
+    from mlx_dspark.models.nemotron_h import SERIAL_MAX
+    md.load()
+    prefills = [shape[1] for name, shape in shapes if name == "step"]
+    assert max(prefills) > max(FUSED_ROWS, SERIAL_MAX)
