@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .length import COST_WINDOW, Curve, best_length, duration, expected_tokens, median
+from .length import COST_WINDOW, Curve, best_length, expected_tokens, median
 
 ON = 1.05         # switch speculation on above this predicted speedup
 OFF = 1.0         # switch it off below this one
@@ -195,7 +195,6 @@ class Controller:
     # -- observations ------------------------------------------------------------------------
 
     def observe_serial(self, seconds: float):
-        seconds = duration(seconds)
         self._age(1)
         _push(self.serial_times, seconds)
         if self.speculating:
@@ -207,7 +206,6 @@ class Controller:
         """Before a round the drafter caught up on ``tokens`` tokens it had not seen (the
         prompt, serial steps) in ``seconds``: work that every serial step adds once a round
         follows it, which is what makes a probe after a long serial stretch expensive."""
-        seconds = duration(seconds)
         if tokens > 0 and self.t_serial:
             _push(self.catchup_ratios, seconds / tokens / self.t_serial)
             _push(self.catchup_totals, seconds / self.t_serial)
@@ -220,7 +218,6 @@ class Controller:
         At a fixed length, rounds with fewer drafts than ``num_draft`` (the last round before
         max_tokens) count for acceptance but not for cost; with a ``curve`` each round prices
         its own length."""
-        seconds = duration(seconds)
         self.observe_accepts(num_tested, num_accepted)
         self.rounds += 1
         if self.curve is not None:

@@ -34,7 +34,7 @@ def time_round(session: Session, bonus: int, n: int, split: bool = True) -> tupl
     t2 = time.perf_counter()
     target.commit(session.cache, n + 1)
     session.cache.restore(state)
-    return length.duration(t1 - t0), length.duration(t2 - t1)
+    return t1 - t0, t2 - t1
 
 
 def scratch(target, drafter, prompt: list[int]) -> tuple[Session, int]:
@@ -63,7 +63,7 @@ def calibrate(target, drafter, repeats: int = CALIBRATION_REPEATS) -> tuple:
         t0 = time.perf_counter()
         mx.eval(target.step(mx.array([[bonus]]), session.cache,
                             tap_layers=session.tap_layers))   # as "auto"'s serial steps
-        steps.append(length.duration(time.perf_counter() - t0))
+        steps.append(time.perf_counter() - t0)
         session.cache.rewind(mark)
         for n in lengths:
             rounds[n].append(sum(time_round(session, bonus, n, split=False)))

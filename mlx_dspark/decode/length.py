@@ -26,23 +26,11 @@ that is run is measured, so a curve that over-prices longer rounds is corrected 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 LONGEST = 7       # most drafts "auto" considers (NVIDIA's DGX Spark recipe drafts 7)
 COST_WINDOW = 9   # costs = medians of this many recent measurements (spikes are one-sided)
 FRESH = 32        # rounds a measurement prices its length (two EXPLORE periods, controller.py)
-# seconds: one tick of the clock the decode loop reads (time.perf_counter), the least a time
-# measured on it can be
-TICK = time.get_clock_info("perf_counter").resolution
-
-
-def duration(seconds: float) -> float:
-    """A time measured as the difference of two clock readings, as a cost: never below one
-    tick. A difference is zero for work shorter than a tick (a coarse clock) and negative from
-    a clock that steps back; a cost of zero or less would divide by zero or make a round pay
-    for itself, whatever the load."""
-    return max(seconds, TICK)
 
 
 def expected_tokens(alpha, n: int) -> float:
@@ -81,21 +69,19 @@ def best_rate(tokens, costs) -> tuple[int, float]:
 
 
 def line(costs: list[float]) -> list[float]:
-    """The least-squares line through ``costs`` (a cost per length 1..len), never falling and
-    never below the least cost measured: what the load-time curve is taken to be. A round is a draft and a verify, each about
+    """The least-squares line through ``costs`` (a cost per length 1..len), never falling:
+    what the load-time curve is taken to be. A round is a draft and a verify, each about
     affine in the length on the backends measured (the verify flat on a Mac, linear on this
     CPU; a block drafter's draft flat), and three timings per length under a shared machine's
     load are noisy by more than a block drafter's step from one length to the next: measured
-    with DFlash, raw medians priced 5 drafts below 4, and "auto" chose 5 on that. A spike at
-    the long end steepens the line, which then crosses zero at the short end (seen under a
-    load average of 6): no length costs less than the cheapest round timed."""
+    with DFlash, raw medians priced 5 drafts below 4, and "auto" chose 5 on that."""
     n = len(costs)
     mean_x, mean_y = (n + 1) / 2, sum(costs) / n
     spread = sum((x - mean_x) ** 2 for x in range(1, n + 1))
     slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(costs, 1)) / spread \
         if spread else 0.0
     slope = max(slope, 0.0)
-    return [max(mean_y + slope * (x - mean_x), min(costs)) for x in range(1, n + 1)]
+    return [mean_y + slope * (x - mean_x) for x in range(1, n + 1)]
 
 
 @dataclass
@@ -129,13 +115,11 @@ class Curve:
 
     def costs(self) -> list[float]:
         """The cost of each length 1..longest: its fresh rounds' median, else the load-time
-        cost plus :meth:`offset`, never below the least cost measured (a negative offset
-        would price a length at nothing or less; a length priced too low is run, and then
+        cost plus :meth:`offset` (kept positive: a length priced too low is run, and then
         measured)."""
         fresh = [self.measured(n) for n in range(1, self.longest + 1)]
         offset = self.offset(fresh)
-        floor = min(self.loaded + [median(v) for v in fresh if v])
-        return [median(v) if v else max(c + offset, floor) for v, c in zip(fresh, self.loaded)]
+        return [median(v) if v else max(c + offset, 1e-3) for v, c in zip(fresh, self.loaded)]
 
     def offset(self, fresh: list[list[float]]) -> float:
         """How far the lengths run lately sit from the load-time curve, in serial steps (0: no
