@@ -356,23 +356,34 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    repetition_context_size=repetition_context_size,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler,
-                   split_thinking=split_thinking)
+                   after_thinking=split_thinking and after_thinking(pair.tokenizer, prompt))
 
 
 def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
     """The request's :class:`Thinking` when the prompt ends inside an open thinking block
     (the chat template opened it), else None."""
-    if tokenizer is None:
-        return None
-    try:
-        tail = tokenizer.decode(prompt[-16:])
-    except (OverflowError, ValueError, TypeError):   # ids no tokenizer has: decode refuses
-        return None                                   # them (one clear error) before any step
-    if not reasoning.opens_thinking(tail):
+    if not reasoning.opens_thinking(_tail(tokenizer, prompt)):
         return None
     def encode(text):
         return tuple(tokenizer.encode(text, add_special_tokens=False))
     return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
+
+
+def after_thinking(tokenizer, prompt: list[int]) -> bool:
+    """Whether the prompt ends with an empty thinking block (the chat template's thinking
+    off): the reply is an answer, and a tag it writes is read, never shown."""
+    return reasoning.closes_thinking(_tail(tokenizer, prompt))
+
+
+def _tail(tokenizer, prompt: list[int]) -> str:
+    """The text of the prompt's last tokens ("" without a tokenizer, or for ids it has not:
+    decode refuses them, and one clear error comes before any step)."""
+    if tokenizer is None:
+        return ""
+    try:
+        return tokenizer.decode(prompt[-16:])
+    except (OverflowError, ValueError, TypeError):
+        return ""
 
 
 def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
@@ -436,8 +447,9 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     the answer where it is first complete); ``chat_template_kwargs`` (such as
     ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
-    ``chunk.text``; a ``<think>`` or ``</think>`` the model writes outside an open block never
-    reaches ``chunk.text`` (one before any answer opens a block, others are dropped);
+    ``chunk.text``; in a chat whose template opened or closed a thinking block, a ``<think>``
+    or ``</think>`` the model writes outside an open block never reaches ``chunk.text`` (one
+    before any answer opens a block, others are dropped);
     ``thinking_token_budget``: most thinking tokens before the engine closes the block itself
     and the model answers; ``split_thinking=False`` leaves the thinking and every tag in
     ``chunk.text``, as the model wrote it.
@@ -552,7 +564,7 @@ def chunks(pair: Pair, request: Request, tokens: Iterator[int], stats: Stats) ->
     if detok is not None:
         detok.reset()
     splitter = reasoning.Splitter(request.thinking is not None) \
-        if request.split_thinking else None
+        if request.thinking is not None or request.after_thinking else None
     # Under a grammar a stop string cuts nothing: once seen, it ends the answer after the first
     # token at which the answer is complete (docs/grammar.md), so an answer that stops parses.
     complete_after = request.grammar.acceptor() \

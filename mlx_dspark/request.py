@@ -132,10 +132,10 @@ class Request:
     (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
-    API then tells reasoning from answer), else None. ``split_thinking``: the API reads the
-    reply's thinking tags (a block the reply opens is reasoning, a tag outside a block is
-    dropped, text/reasoning.py); False: the reply is its text as written, ``thinking`` None
-    (the server's ``/v1/completions``). ``thinking_token_budget``: most tokens
+    API then tells reasoning from answer), else None. ``after_thinking``: the prompt ends with
+    an empty thinking block (the chat template's form of thinking off), so the reply is an
+    answer whose thinking tags the API still reads (a block the reply opens is reasoning, a
+    stray tag is dropped: text/reasoning.py); with ``thinking`` None only. ``thinking_token_budget``: most tokens
     the reply thinks before the engine closes the block itself (None: no cap; without
     ``thinking`` there is nothing to cap). ``vocab_limit``: ids at or above it are never
     drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
@@ -181,7 +181,7 @@ class Request:
     logit_bias: tuple = ()
     logits_processors: tuple = ()
     sampler: object = None
-    split_thinking: bool = True
+    after_thinking: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -233,9 +233,9 @@ class Request:
         if budget is not None and (not _integer(budget) or budget < 0):
             raise RequestError("thinking_token_budget", f"thinking_token_budget must be an "
                                                         f"integer >= 0, not {budget!r}")
-        if self.thinking is not None and not self.split_thinking:
-            raise RequestError("split_thinking", "a reply that starts thinking is split: "
-                                                 "give thinking=None with split_thinking=False")
+        if self.thinking is not None and self.after_thinking:
+            raise RequestError("after_thinking", "a reply cannot start both inside a thinking "
+                                                 "block and after one")
         if self.thinking is not None and not (self.thinking.end and self.thinking.close):
             raise RequestError("thinking", "thinking needs the closing tag's ids and the ids "
                                            "that end a thinking block")

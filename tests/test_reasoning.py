@@ -29,7 +29,9 @@ def test_split_cuts_at_the_first_closing_tag(text, want):
 @pytest.mark.parametrize("text,want", [
     ("Fix the parser.</think>", ("", "Fix the parser.")),       # aider's commit message
     ("a </think>b <think> c", ("", "a b  c")),                  # mid-answer tags dropped
-    ("\n<think>plan</think>\nanswer", ("plan", "answer")),      # a reply that opens a block
+    ("<think>plan</think>\nanswer", ("plan", "answer")),         # a reply that opens a block
+    ("\n<think>plan</think>\n\nanswer", ("plan", "\nanswer")),  # (whitespace before it stays)
+    ("\n    return x", ("", "\n    return x")),                # an answer's newlines stay
     ("<think>never closed", ("never closed", "")),
     ("a < b, <th", ("", "a < b, <th")),                         # not tags: kept
 ])
@@ -54,6 +56,14 @@ def test_streamed_pieces_join_to_the_whole_split_at_every_cut(text, thinking):
     one_by_one = reasoning.Splitter(thinking)
     pieces = [one_by_one.add(c) for c in text] + [one_by_one.finish()]
     assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == want
+
+
+def test_a_prompt_closes_thinking_when_it_ends_with_an_empty_block():
+    assert reasoning.closes_thinking("<|im_start|>assistant\n<think></think>")
+    assert reasoning.closes_thinking("<|assistant|>\n<think>\n</think>\n")
+    assert not reasoning.closes_thinking("<think>\nplan\n</think>")      # a past thought
+    assert not reasoning.closes_thinking("<|im_start|>assistant\n<think>\n")
+    assert not reasoning.closes_thinking("plain completion")
 
 
 def test_a_prompt_opens_thinking_only_when_it_ends_inside_the_block():

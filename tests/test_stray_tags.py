@@ -109,14 +109,28 @@ def test_a_completion_is_the_text_as_written(c):
     assert reply["choices"][0]["text"] == STRAY
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
 def test_the_python_api_drops_the_stray_tags_and_split_thinking_false_keeps_them(pair):
-    res = api.generate(pair, "hi", max_tokens=200)
+    assert api.make_request(pair, HI).after_thinking          # the template wrote <think></think>
+    res = api.generate(pair, HI, max_tokens=200)
     assert (res.reasoning, res.text) == ("", "Fix the parser.\nDone here.")
-    streamed = list(api.stream_generate(pair, "hi", max_tokens=200))
+    streamed = list(api.stream_generate(pair, HI, max_tokens=200))
     assert "".join(c.text for c in streamed) == res.text
     assert not any("<" in c.text for c in streamed)      # no piece of a tag, either
-    raw = api.generate(pair, "hi", max_tokens=200, split_thinking=False)
+    raw = api.generate(pair, HI, max_tokens=200, split_thinking=False)
     assert raw.text == STRAY
+
+
+def test_a_raw_completion_is_its_text_as_written_chunk_for_chunk(pair, tokenizer):
+    """A prompt no chat template framed (``generate -p ... --ignore-chat-template``) is
+    completed as written: no tag read, no chunk held back."""
+    assert not api.make_request(pair, "hi").after_thinking
+    chunks = list(api.stream_generate(pair, "hi", max_tokens=200))
+    assert "".join(c.text for c in chunks) == STRAY
+    assert [c.text for c in chunks[:3]] == [tokenizer.decode([t]) for t in
+                                           tokenizer.encode(STRAY, add_special_tokens=False)[:3]]
 
 
 def test_a_closing_tag_inside_the_open_block_still_closes_it(pair):

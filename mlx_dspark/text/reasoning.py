@@ -3,9 +3,10 @@
 Nemotron thinks in a ``<think> … </think>`` block at the start of its reply; its chat template
 opens the block at the end of the prompt (``<think>\\n``) when thinking is on and writes an
 empty one (``<think></think>``) when it is off. A reply whose prompt opened the block is
-thinking until ``</think>``; :class:`Splitter` cuts streamed text at that point, holding back
-only what could still be the start of the closing tag, so streamed pieces join to exactly
-what :func:`split` gives for the whole text."""
+thinking until ``</think>``; :class:`Splitter` cuts streamed text at that point, and keeps any
+tag the model writes outside a block out of the answer, holding back only what could still be
+the start of a tag, so streamed pieces join to exactly what :func:`split` gives for the whole
+text."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ CLOSE = "</think>"
 # What the engine feeds when a thinking budget runs out: the template's end of a thinking
 # block, then the answer starts on a new line.
 END = "\n" + CLOSE + "\n"
+
+
+def closes_thinking(prompt_text: str) -> bool:
+    """Whether a prompt (its rendered text, or at least its end) ends with an empty thinking
+    block, the template's form of thinking off: the reply is an answer."""
+    end = prompt_text.rstrip()
+    return end.endswith(CLOSE) and end[:-len(CLOSE)].rstrip().endswith(OPEN)
 
 
 def opens_thinking(prompt_text: str) -> bool:
@@ -25,8 +33,10 @@ def opens_thinking(prompt_text: str) -> bool:
 
 class Splitter:
     """Cuts the streamed text of a reply into ``(reasoning, content)`` pieces; ``thinking``:
-    the reply starts inside a thinking block (its prompt opened one). The answer's leading
-    newlines are dropped (the template writes them, the answer does not start with them).
+    the reply starts inside a thinking block (its prompt opened one), else it starts as an
+    answer after one (its prompt closed an empty block). The newlines that start an answer
+    after a block closes are dropped (the template writes them, the answer does not start
+    with them).
 
     A tag outside an open block never reaches the answer, as vLLM's and llama.cpp's reasoning
     parsers have it: a ``<think>`` before any answer text opens a block (llama.cpp reads a
@@ -38,7 +48,8 @@ class Splitter:
     def __init__(self, thinking: bool = True):
         self.thinking = thinking
         self.held = ""          # text that may be the start of a tag
-        self.started = False    # the answer has shown a character other than a newline
+        self.strip = False      # a block just closed: the answer's leading newlines go
+        self.answered = False   # the answer has shown a character other than whitespace
 
     def add(self, text: str) -> tuple[str, str]:
         text, self.held = self.held + text, ""
@@ -49,24 +60,29 @@ class Splitter:
             if at < 0:
                 keep = max(partial_tag(text, t) for t in tags)
                 at, self.held = len(text) - keep, text[len(text) - keep:]
-            (reasoning if self.thinking else content).append(self._shown(text[:at]))
+            if self.thinking:
+                reasoning.append(text[:at])
+            else:
+                content.append(self._answer(text[:at]))
             if not tag:
                 break
             text = text[at + len(tag):]
-            self.thinking = tag == OPEN and not self.started
+            if self.thinking:                       # the block closes
+                self.thinking, self.strip = False, True
+            elif tag == OPEN and not self.answered:
+                self.thinking = True                # a stray tag is dropped: nothing else
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the reply (it was not a tag)."""
         held, self.held = self.held, ""
-        return (held, "") if self.thinking else ("", self._shown(held))
+        return (held, "") if self.thinking else ("", self._answer(held))
 
-    def _shown(self, text: str) -> str:
-        if self.thinking:
-            return text
-        if not self.started:
+    def _answer(self, text: str) -> str:
+        if self.strip:
             text = text.lstrip("\n")
-            self.started = bool(text)
+            self.strip = not text
+        self.answered = self.answered or bool(text.strip())
         return text
 
 
