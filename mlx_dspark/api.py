@@ -20,7 +20,7 @@ from typing import Iterator
 from .checkpoint.integrity import check_level
 from .decode.session import Session
 from .decode.warm import warm_up  # noqa: F401 (public: load(warm=True), the CLI)
-from .request import Request, RequestError, Thinking, speculative_mode, split_stops
+from .request import Request, RequestError, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
@@ -347,7 +347,7 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
-                   thinking=thinking_of(pair.tokenizer, prompt) if split_thinking else None,
+                   thinking=reasoning.thinking_of(pair.tokenizer, prompt) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    vocab_limit=pair.decodable,
                    grammar=constraint_of(pair, prompt, response_format, grammar),
@@ -356,34 +356,7 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    repetition_context_size=repetition_context_size,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler,
-                   after_thinking=split_thinking and after_thinking(pair.tokenizer, prompt))
-
-
-def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
-    """The request's :class:`Thinking` when the prompt ends inside an open thinking block
-    (the chat template opened it), else None."""
-    if not reasoning.opens_thinking(_tail(tokenizer, prompt)):
-        return None
-    def encode(text):
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-    return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
-
-
-def after_thinking(tokenizer, prompt: list[int]) -> bool:
-    """Whether the prompt ends with an empty thinking block (the chat template's thinking
-    off): the reply is an answer, and a tag it writes is read, never shown."""
-    return reasoning.closes_thinking(_tail(tokenizer, prompt))
-
-
-def _tail(tokenizer, prompt: list[int]) -> str:
-    """The text of the prompt's last tokens ("" without a tokenizer, or for ids it has not:
-    decode refuses them, and one clear error comes before any step)."""
-    if tokenizer is None:
-        return ""
-    try:
-        return tokenizer.decode(prompt[-16:])
-    except (OverflowError, ValueError, TypeError):
-        return ""
+                   after_thinking=split_thinking and reasoning.after_thinking(pair.tokenizer, prompt))
 
 
 def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
@@ -399,7 +372,7 @@ def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
         else grammars.of(grammar)
     if chosen is None:
         return None
-    if thinking_of(pair.tokenizer, prompt) is not None:
+    if reasoning.thinking_of(pair.tokenizer, prompt) is not None:
         chosen = chosen.after_thinking()
     return chosen.bind(pair.tokenizer, pair.target.config.vocab_size)
 

@@ -6,9 +6,11 @@ empty one (``<think></think>``) when it is off. A reply whose prompt opened the 
 thinking until ``</think>``; :class:`Splitter` cuts streamed text at that point, and keeps any
 tag the model writes outside a block out of the answer, holding back only what could still be
 the start of a tag, so streamed pieces join to exactly what :func:`split` gives for the whole
-text."""
+text. :func:`thinking_of` and :func:`after_thinking` read a prompt's end with its tokenizer."""
 
 from __future__ import annotations
+
+from ..request import Thinking
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -29,6 +31,33 @@ def opens_thinking(prompt_text: str) -> bool:
     open, so the reply starts inside it."""
     at = prompt_text.rfind(OPEN)
     return at >= 0 and not prompt_text[at + len(OPEN):].strip() and CLOSE not in prompt_text[at:]
+
+
+def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
+    """The request's :class:`~mlx_dspark.request.Thinking` when the prompt ends inside an open thinking block
+    (the chat template opened it), else None."""
+    if not opens_thinking(_tail(tokenizer, prompt)):
+        return None
+    def encode(text):
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return Thinking(close=encode(CLOSE), end=encode(END))
+
+
+def after_thinking(tokenizer, prompt: list[int]) -> bool:
+    """Whether the prompt ends with an empty thinking block (the chat template's thinking
+    off): the reply is an answer, and a tag it writes is read, never shown."""
+    return closes_thinking(_tail(tokenizer, prompt))
+
+
+def _tail(tokenizer, prompt: list[int]) -> str:
+    """The text of the prompt's last tokens ("" without a tokenizer, or for ids it has not:
+    decode refuses them, and one clear error comes before any step)."""
+    if tokenizer is None:
+        return ""
+    try:
+        return tokenizer.decode(prompt[-16:])
+    except (OverflowError, ValueError, TypeError):
+        return ""
 
 
 class Splitter:
