@@ -85,7 +85,8 @@ def inspect_repo(repo_id: str, revision: str | None) -> RepoInfo:
     from .quant_config import load_json
 
     where = f"{repo_id}@{revision or 'main'}"
-    cfg = _small_file(repo_id, "config.json", revision, required=True)
+    offline = not _reachable(repo_id, revision)
+    cfg = _small_file(repo_id, "config.json", revision, required=True, offline=offline)
     if cfg is None:
         raise ConversionError(f"{where}: no config.json, so not a Hugging Face checkpoint in "
                               f"safetensors (a GGUF repo runs with llama.cpp); mlx-dspark needs "
@@ -93,13 +94,13 @@ def inspect_repo(repo_id: str, revision: str | None) -> RepoInfo:
     config = load_json(cfg)
     if not isinstance(config, dict):
         raise ConversionError(f"{where}: config.json is not a JSON object")
-    index = _small_file(repo_id, "model.safetensors.index.json", revision)
+    index = _small_file(repo_id, "model.safetensors.index.json", revision, offline=offline)
     names, size = {}, None
     if index is not None:
         names = dict.fromkeys(_weight_map(index))
         total = (load_json(index).get("metadata") or {}).get("total_size")
         size = total if isinstance(total, int) else None
-    hfq = _small_file(repo_id, "hf_quant_config.json", revision) is not None
+    hfq = _small_file(repo_id, "hf_quant_config.json", revision, offline=offline) is not None
     try:
         kind = detect_kind(config, names, Path(where))
     except ConversionError:
@@ -107,14 +108,35 @@ def inspect_repo(repo_id: str, revision: str | None) -> RepoInfo:
     return RepoInfo(config, names, size, hfq, kind)
 
 
+def _reachable(repo_id: str, revision: str | None) -> bool:
+    """Whether the Hub answers for the repo: one request, no retries. A missing, mistyped or
+    gated repo (or revision) is refused here in one line; False when offline (HF_HUB_OFFLINE,
+    or no connection), so that only the local cache is read: huggingface_hub would retry an
+    unreachable Hub for every file the cache lacks (about 23 s each)."""
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+    from huggingface_hub.file_download import get_hf_file_metadata
+    if constants.is_offline_mode():
+        return False
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=revision), timeout=10)
+    except EntryNotFoundError:
+        return True             # a repo without config.json: inspect_repo says what it is
+    except HfHubHTTPError as e:
+        _failed(repo_id, revision, e)
+    except Exception:           # no connection, DNS, timeout: the cache may still hold it
+        return False
+    return True
+
+
 def _small_file(repo_id: str, name: str, revision: str | None,
-                required: bool = False) -> Path | None:
-    """One small file of the repo (through huggingface_hub's cache), None when the repo has
-    none (or, offline, the cache lacks an optional one)."""
+                required: bool = False, offline: bool = False) -> Path | None:
+    """One small file of the repo (through huggingface_hub's cache; ``offline``: from the
+    cache alone), None when the repo has none (or, offline, the cache lacks an optional one)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
     try:
-        return Path(hf_hub_download(repo_id, name, revision=revision))
+        return Path(hf_hub_download(repo_id, name, revision=revision, local_files_only=offline))
     except EntryNotFoundError as e:
         if required and isinstance(e, FileNotFoundError):   # offline (or unreachable), uncached
             _failed(repo_id, revision, e)
@@ -124,8 +146,29 @@ def _small_file(repo_id: str, name: str, revision: str | None,
 
 
 def _failed(repo_id: str, revision: str | None, e: Exception):
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ConversionError(f"{repo_id}@{revision or 'main'}: download failed ({first})") from None
+    raise ConversionError(f"{repo_id}@{revision or 'main'}: download failed "
+                          f"({_why(repo_id, revision, e)})") from None
+
+
+def _why(repo_id: str, revision: str | None, e: Exception) -> str:
+    """What a huggingface_hub error means for the user, in a few words."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    if isinstance(e, GatedRepoError):
+        return (f"{repo_id} is a gated repository: accept its terms at "
+                f"{constants.ENDPOINT}/{repo_id} and log in (`hf auth login` or HF_TOKEN)")
+    if isinstance(e, RepositoryNotFoundError):
+        return (f"repository not found: {repo_id}; check the repo id's spelling (a private "
+                f"repository needs `hf auth login` or HF_TOKEN)")
+    if isinstance(e, RevisionNotFoundError):
+        return f"revision {revision} not found in {repo_id}"
+    if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        how = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() \
+            else f"{constants.ENDPOINT} cannot be reached"
+        return f"offline: {how} and {repo_id} is not in the local Hugging Face cache"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:

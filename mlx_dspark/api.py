@@ -20,7 +20,7 @@ from typing import Iterator
 from .checkpoint.integrity import check_level
 from .decode.session import Session
 from .decode.warm import warm_up  # noqa: F401 (public: load(warm=True), the CLI)
-from .request import Request, RequestError, Thinking, speculative_mode, split_stops
+from .request import Request, RequestError, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
 from .text.chat_template import check_template_variables
@@ -52,6 +52,15 @@ class Pair:
     # MLX work on one pair runs one step at a time: generations from several threads take
     # turns token by token (and one thread may still interleave several generations).
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        """One line: where the target came from, which drafter and why (the dataclass's own
+        repr printed every module of both models)."""
+        where = str(self.path) if self.path is not None else type(self.target).__name__
+        drafter = self.drafter_note or ("no drafter" if self.drafter is None
+                                        else type(self.drafter).__name__)
+        tokenizer = "" if self.tokenizer is not None else ", no tokenizer"
+        return f"Pair({where}, {drafter}{tokenizer})"
 
     def session(self, speculative=None) -> Session:
         """A decoding state of its own (target and drafter caches): pass it to successive
@@ -197,8 +206,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     from .checkpoint.formats import convert_first, detect_dir
     from .checkpoint.memory import check_download, check_fits
     from .checkpoint.recorded import recorded_hash
-    from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
-    from .models.nemotron_h import compute_dtype, load_target, read_target_config
+    from .drafters import DEFAULT_DEMO, check_pairing, load_drafter, locate, of_target
+    from .models.nemotron_h import TargetConfig, compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
 
     why = {"none": "--drafter none", None: "no drafter named"}.get(drafter, "")
@@ -222,6 +231,12 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
         drafter, why = pairing.resolve_default(raw)
     elif drafter is not None and not of_target(drafter):
         drafter = hub.resolve(drafter, "drafter")
+    # Config, tokenizer and pairing first: what is wrong with them is said before any weight
+    # (or safetensors header) is read, not after a multi-GB load.
+    config = TargetConfig.from_dict(raw, str(Path(model) / "config.json"))
+    tokenizer = load_tokenizer(model, config.vocab_size)
+    if drafter is not None:
+        check_pairing(drafter, config)
     if memory_check:
         check_fits(model, drafter, dtype)
     target = load_target(model, dtype=dtype, verify=verify)
@@ -229,7 +244,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     pair = Pair(target=target,
                 drafter=(load_drafter(drafter, target, verify=verify)
                          if drafter is not None else None),
-                tokenizer=load_tokenizer(model, target.config.vocab_size), path=Path(model),
+                tokenizer=tokenizer, path=Path(model),
                 receipts=(own, f"{drafter}:{own}" if of_target(drafter)
                           else receipt_hash(drafter)))
     pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
@@ -332,7 +347,7 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
-                   thinking=thinking_of(pair.tokenizer, prompt) if split_thinking else None,
+                   thinking=reasoning.thinking_of(pair.tokenizer, prompt) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    vocab_limit=pair.decodable,
                    grammar=constraint_of(pair, prompt, response_format, grammar),
@@ -340,23 +355,8 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
                    repetition_penalty=repetition_penalty,
                    repetition_context_size=repetition_context_size,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                   logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler)
-
-
-def thinking_of(tokenizer, prompt: list[int]) -> Thinking | None:
-    """The request's :class:`Thinking` when the prompt ends inside an open thinking block
-    (the chat template opened it), else None."""
-    if tokenizer is None:
-        return None
-    try:
-        tail = tokenizer.decode(prompt[-16:])
-    except (OverflowError, ValueError, TypeError):   # ids no tokenizer has: decode refuses
-        return None                                   # them (one clear error) before any step
-    if not reasoning.opens_thinking(tail):
-        return None
-    def encode(text):
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-    return Thinking(close=encode(reasoning.CLOSE), end=encode(reasoning.END))
+                   logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler,
+                   after_thinking=split_thinking and reasoning.after_thinking(pair.tokenizer, prompt))
 
 
 def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
@@ -372,7 +372,7 @@ def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):
         else grammars.of(grammar)
     if chosen is None:
         return None
-    if thinking_of(pair.tokenizer, prompt) is not None:
+    if reasoning.thinking_of(pair.tokenizer, prompt) is not None:
         chosen = chosen.after_thinking()
     return chosen.bind(pair.tokenizer, pair.target.config.vocab_size)
 
@@ -420,8 +420,11 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     the answer where it is first complete); ``chat_template_kwargs`` (such as
     ``{"enable_thinking": False}``) go to the chat template. A prompt that leaves a thinking
     block open (``<think>``) gets its thinking in ``chunk.reasoning`` and its answer in
-    ``chunk.text``; ``thinking_token_budget``: most thinking tokens before the engine closes
-    the block itself and the model answers; ``split_thinking=False`` leaves the thinking in
+    ``chunk.text``; in a chat whose template opened or closed a thinking block, a ``<think>``
+    or ``</think>`` the model writes outside an open block never reaches ``chunk.text`` (one
+    before any answer opens a block, others are dropped);
+    ``thinking_token_budget``: most thinking tokens before the engine closes the block itself
+    and the model answers; ``split_thinking=False`` leaves the thinking and every tag in
     ``chunk.text``, as the model wrote it.
 
     ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema",
@@ -533,7 +536,8 @@ def chunks(pair: Pair, request: Request, tokens: Iterator[int], stats: Stats) ->
     detok = pair.tokenizer.detokenizer if pair.tokenizer is not None else None
     if detok is not None:
         detok.reset()
-    splitter = reasoning.Splitter() if request.thinking is not None else None
+    splitter = reasoning.Splitter(request.thinking is not None) \
+        if request.thinking is not None or request.after_thinking else None
     # Under a grammar a stop string cuts nothing: once seen, it ends the answer after the first
     # token at which the answer is complete (docs/grammar.md), so an answer that stops parses.
     complete_after = request.grammar.acceptor() \

@@ -132,7 +132,10 @@ class Request:
     (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
-    API then tells reasoning from answer), else None. ``thinking_token_budget``: most tokens
+    API then tells reasoning from answer), else None. ``after_thinking``: the prompt ends with
+    an empty thinking block (the chat template's form of thinking off), so the reply is an
+    answer whose thinking tags the API still reads (a block the reply opens is reasoning, a
+    stray tag is dropped: text/reasoning.py); with ``thinking`` None only. ``thinking_token_budget``: most tokens
     the reply thinks before the engine closes the block itself (None: no cap; without
     ``thinking`` there is nothing to cap). ``vocab_limit``: ids at or above it are never
     drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
@@ -178,6 +181,7 @@ class Request:
     logit_bias: tuple = ()
     logits_processors: tuple = ()
     sampler: object = None
+    after_thinking: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -229,6 +233,9 @@ class Request:
         if budget is not None and (not _integer(budget) or budget < 0):
             raise RequestError("thinking_token_budget", f"thinking_token_budget must be an "
                                                         f"integer >= 0, not {budget!r}")
+        if self.thinking is not None and self.after_thinking:
+            raise RequestError("after_thinking", "a reply cannot start both inside a thinking "
+                                                 "block and after one")
         if self.thinking is not None and not (self.thinking.end and self.thinking.close):
             raise RequestError("thinking", "thinking needs the closing tag's ids and the ids "
                                            "that end a thinking block")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -55,12 +56,14 @@ def report(r: dict) -> dict:
                           "memcpy_gb_per_s": 5.0}}
 
 
-NOISE = "within noise: serial and speculative differ by less than their spread"
+NOISE = "within noise: speculative against serial ranged"
 
 
 def test_ratios_whose_spread_covers_the_difference_are_noise():
     assert verdict([1.17, 0.89, 1.03]) == "within noise"     # the issue's two runs and one more
-    assert verdict([1.10, 1.02, 1.04]) == "within noise"     # all above 1, but 0.08 wide for 0.04
+    assert verdict([1.10, 1.02, 1.04]) == "faster"           # every repeat faster, by little
+    assert verdict([0.66, 0.31, 0.67]) == "slower"           # issue 41: was "within noise"
+    assert verdict([1.0, 1.3, 1.2]) == "within noise"        # one repeat no faster
     assert verdict([1.20, 1.21, 1.19]) == "faster"
     assert verdict([0.46, 0.47, 0.45]) == "slower"
     assert verdict([1.17]) == "one repeat"                   # no spread: no verdict either way
@@ -90,7 +93,18 @@ def test_a_real_difference_is_named_even_while_the_machine_drifts():
     assert o["speedup"] == pytest.approx(1.2)
     assert o["spread"]["speedup"] == pytest.approx([1.2, 1.2])
     text = bench.table(r)
-    assert "speculative is faster than serial, beyond the spread" in text and NOISE not in text
+    assert "speculative is faster than serial in every repeat (1.20x–1.20x)" in text \
+        and NOISE not in text
+
+
+def test_slower_in_every_repeat_is_slower_with_its_range_never_noise():
+    """Issue 41: ``0.66x [0.31–0.67] within noise`` when every repeat was slower."""
+    r = report(runs(serial=[100, 100, 100], speculative=[66, 31, 67]))
+    assert r["overall"]["verdict"]["speculative"] == "slower"
+    text = bench.table(r)
+    assert "speculative vs serial: 0.66x [0.31–0.67], speculative is slower than serial in " \
+           "every repeat (0.31x–0.67x)" in text
+    assert re.search(r"0\.66x \[0\.31–0\.67\] +slower", text)         # the table's row
 
 
 def test_every_figure_has_its_spread():
@@ -115,7 +129,8 @@ def test_auto_that_ran_serially_says_so_and_never_that_it_picked_the_faster_mode
         in text
     assert "auto ran only serial, and serial and speculative are within noise here: neither " \
            "is the faster mode" in text
-    assert "within noise: serial and auto differ by less than their spread" in text
+    assert "within noise: auto against serial ranged 0.95x–1.17x over the repeats, 1.0 " \
+           "included" in text
 
 
 def test_auto_that_ran_serially_while_speculation_was_faster_says_that():

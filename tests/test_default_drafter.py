@@ -97,9 +97,10 @@ def test_offline_without_the_cached_drafter_is_serial_and_says_why(known_demo, m
 
 def test_a_default_drafter_that_cannot_be_fetched_leaves_the_target_serial(known_demo,
                                                                            monkeypatch):
-    def unreachable(repo_id, name, revision, required=False):
+    def unreachable(repo_id, name, revision, required=False, offline=False):
         raise ConversionError(f"{repo_id}@main: download failed (no network)")
 
+    monkeypatch.setattr(hub, "_reachable", lambda repo_id, revision: True)
     monkeypatch.setattr(hub, "_small_file", unreachable)
     monkeypatch.setattr(hub, "cached_snapshot", lambda repo_id, revision: None)
     pair = md.load(str(DEMO / "target"), "auto", warm=False)

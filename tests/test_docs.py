@@ -168,3 +168,42 @@ def test_reference_docs_name_no_machine_paths():
              if MACHINE_PATH.search(line)]
     assert not found, ("paths of one machine in the docs (write a placeholder such as DIR):\n"
                        + "\n".join(found))
+
+
+# ---------------------------------------------------------------------------------------------
+# README's size and the docs index (issue 41)
+
+
+def readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_the_readme_is_at_most_250_lines_and_1500_words():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250 and len(text.split()) <= 1500, \
+        (len(text.splitlines()), len(text.split()))
+
+
+def test_the_pypi_warning_comes_in_the_quick_start_before_its_first_command():
+    quick = readme_section("Quick start")
+    assert "PyPI" in quick and quick.index("PyPI") < quick.index("```")
+
+
+def test_docs_readme_indexes_every_doc():
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target).resolve() for _, target in relative_links(index)}
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if p != index]
+    missing = sorted(str(p.relative_to(ROOT)) for p in pages if p.resolve() not in linked)
+    assert not missing, "docs/README.md does not link:\n" + "\n".join(missing)
+
+
+def test_the_real_model_on_a_mac_gives_memory_per_format_speeds_and_the_bench_command():
+    mac = readme_section("The real model on a Mac")
+    for fmt in ("NVFP4", "4-bit", "8-bit", "bf16"):
+        assert re.search(rf"\| {fmt}\b[^\n]*\| [\d.]+ GB \|", mac), fmt
+    assert "computed" in mac and "docs/real-model.md" in mac
+    assert "M5 Max" in mac and "https://github.com/Blaizzy/mlx-vlm/pull/2145" in mac
+    assert "mlx-dspark bench --model" in mac

@@ -164,7 +164,7 @@ def fake_hub(dirs, tmp_path, monkeypatch):
     repos.update({"mlx-community/demo-4bit": dirs["4bit"], "mlx-community/demo-bf16": dirs["bf16"],
                   "someone/demo-gptq": gptq, "someone/demo-gguf": gguf})
 
-    def small_file(repo_id, name, revision, required=False):
+    def small_file(repo_id, name, revision, required=False, offline=False):
         asked.append((repo_id, name))
         f = repos[repo_id] / name
         return f if f.is_file() else None
@@ -173,6 +173,7 @@ def fake_hub(dirs, tmp_path, monkeypatch):
         asked.append((repo_id, "*"))
         return str(repos[repo_id])
 
+    monkeypatch.setattr(hub, "_reachable", lambda repo_id, revision: True)
     monkeypatch.setattr(hub, "_small_file", small_file)
     monkeypatch.setattr(hub, "_snapshot_download", snapshot)
     monkeypatch.setattr(hub, "cached_snapshot", lambda repo_id, revision: None)

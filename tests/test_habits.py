@@ -242,3 +242,39 @@ def test_decode_names_the_finish_reason_just_before_the_last_token(speculative):
     k = next(i for i in range(2, 14) if tokens[i] not in tokens[:i])
     stopped, reasons = run(max_tokens=100, stop_tokens={tokens[k]})
     assert stopped == tokens[:k + 1] and reasons == [None] * k + ["stop"]
+
+
+@pytest.mark.parametrize("word", ["q", "quit", "exit", " q "])
+def test_q_quit_and_exit_leave_chat_as_in_mlx_lm_chat(pair, monkeypatch, word):
+    """Issue 41: ``q`` was sent to the model as a message."""
+    from mlx_dspark.cli import chat
+    lines = iter([word, "never sent"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    sent = []
+    monkeypatch.setattr(chat.Chat, "answer", lambda self, line: sent.append(line))
+    session = chat.Chat(pair, cli.build_parser().parse_args(["chat"]))
+    assert session._run() == 0 and sent == []
+    assert next(lines) == "never sent"
+
+
+def test_ctrl_d_leaves_chat_and_a_longer_message_is_sent(pair, monkeypatch):
+    from mlx_dspark.cli import chat
+    lines = iter(["quit now", "q"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    sent = []
+    monkeypatch.setattr(chat.Chat, "answer", lambda self, line: sent.append(line))
+    assert chat.Chat(pair, cli.build_parser().parse_args(["chat"]))._run() == 0
+    assert sent == ["quit now"]
+
+    def eof(prompt=""):
+        raise EOFError
+    monkeypatch.setattr("builtins.input", eof)
+    assert chat.Chat(pair, cli.build_parser().parse_args(["chat"]))._run() == 0
+
+
+def test_print_pair_is_one_line_naming_target_and_drafter(pair, capsys):
+    """Issue 41: ``print(pair)`` printed about 100 lines (every module of both models)."""
+    print(pair)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and len(out) < 200
+    assert out.startswith(f"Pair({pair.path}, ") and pair.drafter_note in out

@@ -55,10 +55,11 @@ def hub_stand_in(exports, tmp_path, monkeypatch):
 def small_files_from(exports, monkeypatch):
     """The hub's small files (config.json, the index: read before any download) come from
     ``exports`` too, and huggingface_hub's own cache holds none of these repos."""
-    def small_file(repo_id, name, revision, required=False):
+    def small_file(repo_id, name, revision, required=False, offline=False):
         f = exports[repo_id] / name
         return f if f.is_file() else None
 
+    monkeypatch.setattr(hub, "_reachable", lambda repo_id, revision: True)
     monkeypatch.setattr(hub, "_small_file", small_file)
     monkeypatch.setattr(hub, "cached_snapshot", lambda repo_id, revision: None)
 

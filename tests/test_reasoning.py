@@ -17,7 +17,7 @@ QUESTION = [{"role": "user", "content": "Sort a list of numbers in Python."}]
 
 @pytest.mark.parametrize("text,want", [
     ("plan</think>\n\nanswer", ("plan", "answer")),
-    ("a</think>b</think>c", ("a", "b</think>c")),           # only the first tag closes
+    ("a</think>b</think>c", ("a", "bc")),        # the first tag closes, a stray one is dropped
     ("still thinking <", ("still thinking <", "")),           # a tag never finished
     ("</think>", ("", "")),
     ("x </thin k> y", ("x </thin k> y", "")),
@@ -26,14 +26,44 @@ def test_split_cuts_at_the_first_closing_tag(text, want):
     assert reasoning.split(text) == want
 
 
+@pytest.mark.parametrize("text,want", [
+    ("Fix the parser.</think>", ("", "Fix the parser.")),       # aider's commit message
+    ("a </think>b <think> c", ("", "a b  c")),                  # mid-answer tags dropped
+    ("<think>plan</think>\nanswer", ("plan", "answer")),         # a reply that opens a block
+    ("\n<think>plan</think>\n\nanswer", ("plan", "\nanswer")),  # (whitespace before it stays)
+    ("\n    return x", ("", "\n    return x")),                # an answer's newlines stay
+    ("<think>never closed", ("never closed", "")),
+    ("a < b, <th", ("", "a < b, <th")),                         # not tags: kept
+])
+def test_a_tag_outside_an_open_block_never_reaches_the_answer(text, want):
+    assert reasoning.split(text, thinking=False) == want
+
+
+def test_inside_an_open_block_a_closing_tag_still_closes_it_and_an_opening_one_is_thought():
+    assert reasoning.split("p<think>q</think>r</think>") == ("p<think>q", "r")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("text", ["plan</think>\n\nanswer", "a</th</think>\nb", "<</think>",
-                                  "no tag here </thi"])
-def test_streamed_pieces_join_to_the_whole_split_at_every_cut(text):
-    want = reasoning.split(text)
+                                  "no tag here </thi", "x</think>y<think>z", "<think>t</think>a",
+                                  "<<think>", "a <thi"])
+def test_streamed_pieces_join_to_the_whole_split_at_every_cut(text, thinking):
+    want = reasoning.split(text, thinking)
     for cut in range(len(text) + 1):
-        s = reasoning.Splitter()
+        s = reasoning.Splitter(thinking)
         pieces = [s.add(text[:cut]), s.add(text[cut:]), s.finish()]
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == want, cut
+    one_by_one = reasoning.Splitter(thinking)
+    pieces = [one_by_one.add(c) for c in text] + [one_by_one.finish()]
+    assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == want
+
+
+def test_a_prompt_closes_thinking_when_it_ends_with_an_empty_block():
+    assert reasoning.closes_thinking("<|im_start|>assistant\n<think></think>")
+    assert reasoning.closes_thinking("<|assistant|>\n<think>\n</think>\n")
+    assert not reasoning.closes_thinking("<think>\nplan\n</think>")      # a past thought
+    assert not reasoning.closes_thinking("<|im_start|>assistant\n<think>\n")
+    assert not reasoning.closes_thinking("plain completion")
 
 
 def test_a_prompt_opens_thinking_only_when_it_ends_inside_the_block():

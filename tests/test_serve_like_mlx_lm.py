@@ -55,7 +55,37 @@ def test_defaults_come_from_the_flags_else_generation_config(tmp_path):
                                         "chat_template_kwargs": {"enable_thinking": False}}
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert serve_defaults(args_of(), tmp_path) == {"temperature": 0.0}
-    assert serve_defaults(args_of(), DEMO / "target") == {}       # none given: OpenAI's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    assert serve_defaults(args_of(), tmp_path) == {}               # none given: OpenAI's
+
+
+def test_the_demo_serves_greedy_unless_a_flag_or_the_request_says_otherwise(pair):
+    """Issue 41: the demo's generation_config.json says greedy, so the README's curl example
+    (no temperature) gets generate()'s greedy text; ``--temp`` overrides the file and a
+    request's own field overrides both."""
+    assert serve_defaults(args_of(), DEMO / "target") == {"temperature": 0.0}
+    assert serve_defaults(args_of("--temp", "0.7", "--top-p", "0.9"), DEMO / "target") == {
+        "temperature": 0.7, "top_p": 0.9}
+    engine = Engine(lambda: pair, max_queue=4, cache_bytes=0)
+    engine.start()
+    try:
+        def answer(defaults, **fields):
+            client = TestClient(create_app(engine, "m", defaults=defaults),
+                                base_url="http://localhost")
+            r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24,
+                                                     **fields})
+            return r.json()["choices"][0]["text"]
+        greedy = api.generate(pair, PROMPT, max_tokens=24, temperature=0.0).text
+        sampled = api.generate(pair, PROMPT, max_tokens=24, temperature=1.0, seed=3).text
+        assert greedy != sampled
+        assert answer(serve_defaults(args_of(), DEMO / "target")) == greedy
+        hot = serve_defaults(args_of("--temp", "1"), DEMO / "target")
+        assert answer(hot, seed=3) == sampled
+        assert answer(hot, temperature=0) == greedy                      # the request wins
+        assert answer(serve_defaults(args_of(), DEMO / "target"), temperature=1.0,
+                      seed=3) == sampled
+    finally:
+        engine.stop()
 
 
 def test_a_default_outside_its_meaning_is_one_line_naming_the_flag(capsys):
@@ -152,3 +182,19 @@ def test_the_start_banner_says_what_where_and_with_what_memory():
                             f"DSpark drafter, float32, ")
     assert first.endswith(f"GB in memory, on http://127.0.0.1:{port}/v1 (request defaults: "
                           f"temperature 0.3)")
+
+
+def test_agent_probes_get_the_context_and_a_200_at_the_root(engine, pair):
+    """Issue 41: Codex reads a model's context window from its metadata (``context_window``;
+    vLLM serves ``max_model_len``), and Claude Code probes ``HEAD /``, which got a 404."""
+    client = TestClient(create_app(engine, ["lightning"], "key"), base_url="http://localhost")
+    listed = client.get("/v1/models", headers={"Authorization": "Bearer key"}).json()["data"]
+    one = client.get("/v1/models/lightning", headers={"Authorization": "Bearer key"}).json()
+    limit = pair.target.context_limit
+    assert limit == 65536                                     # the demo's config.json
+    for m in (listed[0], one):
+        assert m["max_model_len"] == m["context_length"] == m["context_window"] == limit
+        assert m["input_modalities"] == ["text"]
+    head = client.head("/")                                   # no key: a probe
+    assert head.status_code == 200 and head.content == b""
+    assert client.get("/").json() == {"status": "ok", "model": "lightning"}

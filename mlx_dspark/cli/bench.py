@@ -385,11 +385,13 @@ def _title(report: dict, who: str, per_round: str = "") -> list[str]:
 def _against(name: str, d: dict) -> str:
     """What the spread lets one say about ``name`` ("speculative", "auto") against serial."""
     v = d["verdict"][name]
-    if v == "within noise":
-        return f"within noise: serial and {name} differ by less than their spread"
     if v == "one repeat":
         return "one repeat: no spread, no verdict"
-    return f"{name} is {v} than serial, beyond the spread"
+    lo, hi = d["spread"]["speedup" if name == "speculative" else "auto_vs_serial"]
+    if v == "within noise":
+        return (f"within noise: {name} against serial ranged {lo:.2f}x–{hi:.2f}x over the "
+                f"repeats, 1.0 included")
+    return f"{name} is {v} than serial in every repeat ({lo:.2f}x–{hi:.2f}x)"
 
 
 def auto_lines(d: dict) -> list[str]:

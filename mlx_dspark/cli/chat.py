@@ -38,11 +38,13 @@ commands:
   /save NAME  keep the conversation and its state on disk (--prompt-cache-dir)
   /load NAME  continue a saved conversation (so does --resume NAME)
   /help    this list
-  /quit    leave (so do Ctrl-D and /exit)
+  /quit    leave (so do q, quit, exit, /exit and Ctrl-D)
 Ctrl-C stops the current answer and keeps the conversation (during a long message's prefill:
 drops the message)."""
 
 
+# What leaves the chat as a whole message, as in mlx_lm.chat (its "q"), besides /quit.
+QUIT = ("q", "quit", "exit")
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"     # how thinking is shown on a terminal
 # Bracketed paste: a terminal in this mode sends pasted text between these marks, so a pasted
 # block of lines is one message. GNU readline reads the marks itself; without it (libedit,
@@ -149,7 +151,7 @@ class Chat:
         drafter = self.pair.drafter_note or ("no drafter" if self.pair.drafter is None
                                              else "DSpark drafter")
         print(f"mlx-dspark chat: {model}, {drafter}, speculative {self.args.speculative}. "
-              f"/help lists the commands, Ctrl-D exits.")
+              f"/help lists the commands, q or Ctrl-D exits.")
         if hasattr(sys.stdin, "reconfigure"):    # bytes that are not UTF-8 reach utf8_text
             sys.stdin.reconfigure(errors="surrogateescape")
         paste = sys.stdin.isatty() and sys.stdout.isatty()
@@ -186,6 +188,8 @@ class Chat:
                 continue
             if not line:
                 continue
+            if line.strip() in QUIT:
+                return 0
             if line.startswith("/"):
                 if not self.command(line):
                     return 0

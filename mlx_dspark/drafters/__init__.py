@@ -4,7 +4,9 @@ loader.
 A kind is a module that defines a :class:`~.base.DrafterBase` and ``load(source, target, *,
 dtype, verify, verbose, nvfp4)``, plus one line below: its name (``--drafter NAME``), the
 ``config.json`` architectures of its converted directories (none: the kind lives in the target's
-own files, as ``mtp``), its loader, and its embedded demo directory (``mlx_dspark/demo/…``)."""
+own files, as ``mtp``), its loader, its embedded demo directory (``mlx_dspark/demo/…``) and
+``fits(raw, where, target)``, its config parsed and fitted to a target before any weight is
+read (:func:`check_pairing`)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ class Kind:
     architectures: tuple[str, ...]   # () : read from the target's own files, no directory
     load: Callable
     demo: str | None = None          # its embedded demo drafter, under DEMO
+    fits: Callable | None = None     # (raw config, where, target): its config checked alone
 
 
 KINDS = {kind.name: kind for kind in (
-    Kind("dspark", dspark.ARCHITECTURES, dspark.load, demo="drafter"),
+    Kind("dspark", dspark.ARCHITECTURES, dspark.load, demo="drafter", fits=dspark.fits),
     Kind("mtp", (), mtp.load),
-    Kind("eagle3", eagle3.ARCHITECTURES, eagle3.load, demo="eagle3"),
-    Kind("dflash", dflash.ARCHITECTURES, dflash.load, demo="dflash"),
+    Kind("eagle3", eagle3.ARCHITECTURES, eagle3.load, demo="eagle3", fits=eagle3.fits),
+    Kind("dflash", dflash.ARCHITECTURES, dflash.load, demo="dflash", fits=dflash.fits),
 )}
 
 NAMES = tuple(KINDS)
@@ -84,6 +87,23 @@ def kind_of(path: str) -> Kind:
                       f"the target's own block: --drafter {k.name}" for k in KINDS.values())
     raise DrafterError(f"{os.path.join(path, 'config.json')}: architectures {archs} is no "
                        f"drafter this runtime runs ({known})")
+
+
+def check_pairing(source, target_config) -> None:
+    """What :func:`load_drafter` refuses of the drafter ``source`` (a converted directory)
+    from the config files alone (``target_config``: the target's, a TargetConfig): a kind
+    this runtime does not run, an unconverted directory, a drafter built for another target.
+    Run before any weight of either is read (a wrong drafter is named at once, not after the
+    target's weights load); the target's own block (``"mtp"``) has nothing to pair."""
+    from types import SimpleNamespace
+
+    from .base import read_parsed
+
+    if of_target(source):
+        return
+    kind = kind_of(str(source))
+    target = SimpleNamespace(config=target_config)
+    read_parsed(str(source), lambda raw, where: kind.fits(raw, where, target))
 
 
 def load_drafter(source, target, *, dtype=None, verify: str = "auto", verbose: bool = False,

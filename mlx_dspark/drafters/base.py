@@ -202,20 +202,26 @@ def read_config(path: str) -> dict:
         raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from None
 
 
-def read_converted(path: str, verify: str, parse: Callable) -> tuple:
-    """A converted drafter directory, read for loading: its ``config.json`` parsed by
-    ``parse(raw, where)`` (which refuses the variants not implemented and a head built for
-    another target), its files checked against the conversion receipt at the level ``verify``
-    (checkpoint/integrity.py), its tensors read. Returns ``(raw, config, weights, origin)``."""
+def read_parsed(path: str, parse: Callable) -> tuple:
+    """``(raw, config)`` of a converted drafter directory from its ``config.json`` alone,
+    ``parse(raw, where)`` refusing what does not run or was built for another target."""
     cfg_file = os.path.join(path, "config.json")
     raw = read_config(path)
     if (raw.get("quantization") or {}).get("layout") != LAYOUT:
         raise DrafterError(f"{cfg_file}: not a converted checkpoint (no quantization.layout "
                            f"{LAYOUT!r}); run `mlx-dspark convert` on it first")
     try:
-        cfg = parse(raw, cfg_file)
+        return raw, parse(raw, cfg_file)
     except KeyError as e:
         raise DrafterError(f"{cfg_file}: missing field {e}") from None
+
+
+def read_converted(path: str, verify: str, parse: Callable) -> tuple:
+    """A converted drafter directory, read for loading: its ``config.json`` parsed by
+    ``parse(raw, where)`` (which refuses the variants not implemented and a head built for
+    another target), its files checked against the conversion receipt at the level ``verify``
+    (checkpoint/integrity.py), its tensors read. Returns ``(raw, config, weights, origin)``."""
+    raw, cfg = read_parsed(path, parse)
     weights, origin = read_weights(path, check_checkpoint(path, verify))
     return raw, cfg, weights, origin
 

@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..converter.shapes import check_drafter
 from .base import DrafterError, Draw
 from .config import DrafterConfig, _pick, _unsupported, backbone_fields, check_convention
-from .dspark import BlockDrafter, load_block
+from .dspark import BlockDrafter, fitted, load_block
 
 ARCHITECTURES = ("DFlashDraftModel",)
 BLOCK_SIZE = 16          # z-lab's default when a config names none
@@ -120,11 +120,16 @@ class DFlashDrafter(BlockDrafter):
         return draw.chain(lambda j, prev: z[j:j + 1], bonus, n)
 
 
+def fits(raw: dict, where: str, target) -> DFlashConfig:
+    """The DFlash config ``raw`` parsed and fitted to ``target``, before any weight is read."""
+    return fitted(parse_config, raw, where, target)
+
+
 def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
          nvfp4: str | None = None) -> DFlashDrafter:
     """Load the converted DFlash drafter in the directory ``source`` for ``target`` and pass it
     through the weight-load gate (the arguments as for dspark.load). The drafter borrows the
     target's lm_head, and its embedding unless the checkpoint has one of its own that differs
     (z-lab's has none)."""
-    return load_block(DFlashDrafter, parse_config, "z-lab's DFlash layout", source, target,
+    return load_block(DFlashDrafter, fits, "z-lab's DFlash layout", source, target,
                       dtype=dtype, verify=verify, verbose=verbose, nvfp4=nvfp4)

@@ -304,23 +304,32 @@ def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool
     when the drafter's own copy is bit-identical to it. ``verify``: how much of the files is
     checked against the conversion receipt first (checkpoint/integrity.py); a drafter without a
     receipt needs ``"none"``."""
-    return load_block(DSparkDrafter, parse_config, "NVIDIA's DSpark layout", source, target,
+    return load_block(DSparkDrafter, fits, "NVIDIA's DSpark layout", source, target,
                       dtype=dtype, verify=verify, verbose=verbose, nvfp4=nvfp4)
 
 
-def load_block(kind, parse_config, layout: str, source: str, target, *, dtype, verify,
+def fits(raw: dict, where: str, target) -> DrafterConfig:
+    """The DSpark config ``raw`` parsed and fitted to ``target`` (its config an object or a
+    dict): what a load refuses before any weight is read."""
+    return fitted(parse_config, raw, where, target)
+
+
+def fitted(parse_config, raw: dict, where: str, target):
+    """A block drafter's config parsed by ``parse_config`` and fitted to ``target``."""
+    cfg = parse_config(raw, where)
+    check_fits(cfg, target, where)
+    return cfg
+
+
+def load_block(kind, fits, layout: str, source: str, target, *, dtype, verify,
                verbose, nvfp4):
-    """A converted block drafter of class ``kind`` (DSpark, DFlash): its config parsed by
-    ``parse_config`` and fitted to ``target``, its tensors checked against the config
-    (``layout``: what a message calls the tensor layout), built, passed through the gate."""
+    """A converted block drafter of class ``kind`` (DSpark, DFlash): its config parsed and
+    fitted to ``target`` by ``fits(raw, where, target)``, its tensors checked against the
+    config (``layout``: what a message calls the tensor layout), built, passed through the
+    gate."""
     source, dtype = str(source), draft_dtype(dtype, target)
-
-    def parse(raw, where):
-        cfg = parse_config(raw, where)
-        check_fits(cfg, target, where)
-        return cfg
-
-    raw, cfg, weights, origin = read_converted(source, verify, parse)
+    raw, cfg, weights, origin = read_converted(source, verify,
+                                               lambda raw, where: fits(raw, where, target))
     if kind.optional_embedding and "embed_tokens.weight" in weights:
         cfg = replace(cfg, has_embed_tokens=True)
     check_tensors(cfg, weights, origin, source, raw["quantization"].get("modules") or {},

@@ -313,18 +313,22 @@ class Eagle3Cache:
         return out + ([] if self.kv.keys is None else list(self.kv.state()))
 
 
+def fits(raw: dict, where: str, target) -> Eagle3Config:
+    """The head's config ``raw`` parsed and fitted to ``target`` (its config an object or a
+    dict), before any weight is read."""
+    cfg = parse_config(raw, where, target_dims(target)[2])
+    check_fits(cfg, target, where)
+    return cfg
+
+
 def load(source: str, target, *, dtype=None, verify: str = "auto", verbose: bool = False,
          nvfp4: str | None = None) -> Eagle3Drafter:
     """Load the converted EAGLE-3 head in the directory ``source`` for ``target`` through the
     weight-load gate (``dtype``, ``verify``, ``nvfp4``: as for DSpark, drafters/dspark.py)."""
     source, dtype = str(source), draft_dtype(dtype, target)
 
-    def parse(raw, where):
-        cfg = parse_config(raw, where, target.config.num_hidden_layers)
-        check_fits(cfg, target, where)
-        return cfg
-
-    _, cfg, weights, _ = read_converted(source, verify, parse)
+    _, cfg, weights, _ = read_converted(source, verify,
+                                        lambda raw, where: fits(raw, where, target))
     check_tensors(cfg, weights, source)
     drafter = Eagle3Drafter(cfg, weights, target, dtype, shares_embedding(weights, target),
                             nvfp4)

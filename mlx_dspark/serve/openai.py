@@ -368,11 +368,17 @@ def completion_prompt(body: dict, vocab: int):
                        "(one prompt per request)", "prompt")
 
 
-def model_object(model_id: str) -> dict:
+def model_object(model_id: str, context: int | None = None) -> dict:
     """A model as ``/v1/models`` lists it: OpenAI's fields and Anthropic's (``type``,
-    ``display_name``, ``created_at``), so clients of either API read it."""
+    ``display_name``, ``created_at``), so clients of either API read it; and what agents read
+    of a model where it is known: its context in tokens under the names clients look for
+    (vLLM's ``max_model_len``, OpenRouter's ``context_length``, Codex's model metadata
+    ``context_window``) and Codex's ``input_modalities`` (text only: no images)."""
+    known = {} if context is None else {"max_model_len": context, "context_length": context,
+                                        "context_window": context}
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-dspark",
-            "type": "model", "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
+            "type": "model", "display_name": model_id, "created_at": "1970-01-01T00:00:00Z",
+            **known, "input_modalities": ["text"]}
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

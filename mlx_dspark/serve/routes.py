@@ -228,7 +228,8 @@ async def models(request: Request):
     server = _server(request)
     server.authorize(request)
     names = list(dict.fromkeys([server.model_id, *server.aliases]))
-    return JSONResponse({"object": "list", "data": [model_object(n) for n in names],
+    return JSONResponse({"object": "list",
+                         "data": [model_object(n, server.limit) for n in names],
                          "has_more": False, "first_id": names[0], "last_id": names[-1]})
 
 
@@ -238,7 +239,14 @@ async def model(request: Request):
     server = _server(request)
     server.authorize(request)
     name = request.path_params["name"]
-    return JSONResponse(model_object(server.model_id if name in server.model_ids else name))
+    return JSONResponse(model_object(server.model_id if name in server.model_ids else name,
+                                     server.limit))
+
+
+async def root(request: Request):
+    """``GET /`` and ``HEAD /``: the server is up (Claude Code probes its base URL with a
+    ``HEAD /`` and took the 404 for a server that is not there). No key needed, as /health."""
+    return JSONResponse({"status": "ok", "model": _server(request).model_id})
 
 
 async def health(request: Request):
@@ -258,4 +266,5 @@ ROUTES = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
           Route("/v1/responses", responses_, methods=["POST"]),
           Route("/v1/models", models, methods=["GET"]),
           Route("/v1/models/{name:path}", model, methods=["GET"]),
-          Route("/health", health, methods=["GET"])]
+          Route("/health", health, methods=["GET"]),
+          Route("/", root, methods=["GET", "HEAD"])]
