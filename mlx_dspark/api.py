@@ -207,7 +207,8 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     from .checkpoint.memory import check_download, check_fits
     from .checkpoint.recorded import recorded_hash
     from .drafters import DEFAULT_DEMO, check_pairing, load_drafter, locate, of_target
-    from .models.nemotron_h import TargetConfig, compute_dtype, load_target, read_target_config
+    from .models.nemotron_h import (TargetConfig, check_shapes, compute_dtype, load_target,
+                                     read_target_config)
     from .prompt_cache.disk import receipt_hash
 
     why = {"none": "--drafter none", None: "no drafter named"}.get(drafter, "")
@@ -231,9 +232,10 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
         drafter, why = pairing.resolve_default(raw)
     elif drafter is not None and not of_target(drafter):
         drafter = hub.resolve(drafter, "drafter")
-    # Config, tokenizer and pairing first: what is wrong with them is said before any weight
-    # (or safetensors header) is read, not after a multi-GB load.
+    # Config (against the safetensors headers), tokenizer and pairing first: what is wrong
+    # with them is said before any weight is read, not after a multi-GB load.
     config = TargetConfig.from_dict(raw, str(Path(model) / "config.json"))
+    check_shapes(model, raw, config, fmt)
     tokenizer = load_tokenizer(model, config.vocab_size)
     if drafter is not None:
         check_pairing(drafter, config)

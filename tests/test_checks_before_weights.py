@@ -1,8 +1,9 @@
 """Issue 41.6, checks before weights: a missing tokenizer, a drafter built for another target
 and a config that cannot run are named before any weight is read (they came after an 18-30 s
 load of a 2.7 GB checkpoint). Counted, not timed: every Python ``open`` of a safetensors file
-(the receipt's hashing, the headers the memory pre-flight reads) through an audit hook, and
-every ``mx.load`` (MLX reads the weights in C++, past the hook)."""
+(the receipt's hashing, the memory pre-flight) through an audit hook, but for reading its
+header alone (the config's shapes checked against the tensors come first), and every
+``mx.load`` (MLX reads the weights in C++, past the hook)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,22 @@ _OPENED: list | None = None           # while a test records: the safetensors fi
 
 
 def _audit(event, args):
-    if _OPENED is not None and event == "open" and str(args[0]).endswith(".safetensors"):
+    if _OPENED is not None and event == "open" and str(args[0]).endswith(".safetensors") \
+            and not _reading_header():
         _OPENED.append(str(args[0]))
+
+
+def _reading_header() -> bool:
+    """Whether the open comes from reading a safetensors header alone (converter/
+    safetensors_io.read_header: the config's shapes checked against the tensors, issue 43),
+    which reads no weight."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "read_header" and \
+                frame.f_code.co_filename.endswith("safetensors_io.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 sys.addaudithook(_audit)

@@ -528,13 +528,7 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
         # misread NVFP4 block scales as FP8 weights.
         raise ValueError(convert_first(path, fmt))
     cfg = TargetConfig.from_dict(raw, cfg_path)
-    shapes = tensor_shapes(path)          # the headers: the tensors decide, before any weight
-    latent = latent_problem(raw, shapes, cfg_path)
-    if latent:
-        raise CheckpointError(latent)
-    check_tensors(cfg.values(), cfg.hybrid_override_pattern, shapes, cfg_path)
-    if fmt.layout != "hf" and isinstance(raw.get("quantization"), dict):
-        check_quantization(raw["quantization"], shapes, fmt.layout, cfg_path)
+    check_shapes(path, raw, cfg, fmt)
     reads = check_files(path, verify, require_receipt=fmt.layout == "mlx-dspark")
     w = read_weights(path, reads, keep=lambda name: not name.startswith("mtp."))[0]
     if fmt.layout == "mlx-lm":
@@ -553,6 +547,20 @@ def load_target(path: str, dtype=None, nvfp4: str | None = None,
     model.path = path          # where a drafter that lives in the target's files reads them
     model.format = fmt
     return model
+
+
+def check_shapes(path, raw: dict, cfg: TargetConfig, fmt) -> None:
+    """Every shape-bearing value of ``raw`` (parsed: ``cfg``) against the tensors the
+    safetensors headers of ``path`` declare, before any weight is read: the tensors decide,
+    and a config that says otherwise is refused in one line naming config.json and the field."""
+    cfg_path = os.path.join(path, "config.json")
+    shapes = tensor_shapes(path)
+    latent = latent_problem(raw, shapes, cfg_path)
+    if latent:
+        raise CheckpointError(latent)
+    check_tensors(cfg.values(), cfg.hybrid_override_pattern, shapes, cfg_path)
+    if fmt.layout != "hf" and isinstance(raw.get("quantization"), dict):
+        check_quantization(raw["quantization"], shapes, fmt.layout, cfg_path)
 
 
 def _materialize(model: NemotronH) -> None:
