@@ -158,8 +158,8 @@ def test_a_long_two_agent_session_keeps_each_agents_system_prompt(pair):
     """Two agents with their own system prompts take turns for 8 rounds, each appending a
     turn and rewriting the tail of its previous message, the cache held to a few snapshots'
     bytes: every snapshot taken evicts others, the tail checkpoints first, and each agent's
-    system-prompt checkpoint stays. With least-recently-used alone both were gone by the
-    third round."""
+    system-prompt checkpoint stays. With least-recently-used alone, agent a's was gone in the
+    second round."""
     session = {}
     for name, system in (("a", SYSTEM_A), ("b", SYSTEM_B)):
         messages = [{"role": "system", "content": system},
