@@ -55,7 +55,8 @@ def silent(stops: list[int], wanted, target) -> set[int]:
     stop before it, so the scan's chunks stay where they were (as the pieces'), and more than
     ``serial_max`` tokens before the stop after it, so no stretch becomes one the SSM runs
     position by position. A checkpoint there costs its snapshot alone, and a later prompt
-    continued from it computes what its own cold run computes, to the bit."""
+    that shares the stops before it computes from it what its own cold run computes, to the
+    bit."""
     chunk = getattr(target, "scan_chunk", CHUNK)
     serial = getattr(target, "serial_max", 0)
     out = set()

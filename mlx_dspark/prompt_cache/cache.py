@@ -14,9 +14,10 @@ Agents rewrite the tail of their last message from one call to the next, so the 
 stops near the prompt's end (``TAIL``: at or before 500, 128 and 16 tokens before the end of
 the last message, taken as 32 tokens before the prompt's end), where an edit of the message's
 last 500 tokens finds a checkpoint less than a Mamba chunk (64 tokens on the demo pair, 128 on
-Lightning) before the distance it falls under. Those stops are silent (decode/pieces.py ``silent``): a whole number of the Mamba
-scan's chunks past the stop before them, so a prompt computes the same bits with them or
-without them, and the edited prompt continued from one computes what its cold run computes.
+Lightning) before the distance it falls under. Those stops are silent (decode/pieces.py
+``silent``): a whole number of the Mamba scan's chunks past the stop before them, so a prompt
+computes the same bits with them or without them, and the edited prompt continued from one
+computes what its own cold run computes.
 They are kept in memory only (an edit comes seconds later, not after a restart) and are the
 first evicted (memory.py: ``EDIT`` before ``TURN`` before ``SYSTEM``, the end of the first
 message, which every new conversation of the same agent shares).

@@ -19,7 +19,7 @@ from ..request import Request
 from .errors import ApiError
 
 CANCELLED = "the request was cancelled (its client went away)"
-UNREAD = 4096       # events a job's handler may leave unread: one per token, a few KB each
+UNREAD = 4096       # events a job's handler may leave unread (one per token)
 
 
 def slow_reader(unread: int) -> ApiError:
