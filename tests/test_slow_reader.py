@@ -6,18 +6,26 @@ served as alone. Demo pair, greedy, on a real event loop; a small bound for the 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 
+import httpx
 import pytest
+import uvicorn
 
 from mlx_dspark import api
 from mlx_dspark.serve import job as job_module
 from mlx_dspark.serve import relay
+from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.serve.errors import ApiError
 
 from server_helpers import started_engine
 
 BOUND = 12
+USER = [{"role": "user", "content": "class Stack:"}]
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +80,68 @@ def test_a_client_that_stops_reading_is_stopped_at_the_bound_and_the_others_go_o
     tokens = [item.token for kind, item in heard if kind == "chunk" and not item.stop]
     assert tokens == api.generate(pair, fast_request).tokens    # as alone, all of them
     assert engine.served == served + 1 and engine.cancelled == cancelled + 1
+
+
+@pytest.fixture
+def url(engine):
+    """The app served by uvicorn on a thread, on a free port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(create_app(engine, "demo"), lifespan="off",
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert _until(lambda: uv.started)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def _until(condition, seconds=300.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_http_client_that_stops_reading_gets_the_error_after_what_was_queued(
+        engine, pair, url, monkeypatch):
+    """A real socket whose client reads nothing (a small receive buffer): once the sockets are
+    full, the handler waits, BOUND more events queue, and the request is stopped; another
+    client's stream meanwhile gets its whole answer. Reading at last, the client finds what
+    was sent, then the slow_reader error, then ``[DONE]``. Before the bound, the engine went
+    on generating all 20,000 tokens into the queue."""
+    monkeypatch.setattr(job_module, "UNREAD", BOUND)
+    cancelled = engine.cancelled
+    eos = pair.tokenizer.eos_token_id
+    body = json.dumps({"messages": [{"role": "user", "content": "def main():"}],
+                       "max_tokens": 20_000, "temperature": 0, "stream": True,
+                       "logit_bias": {str(eos): -100}}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", port))
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(body), body))
+    with stalled:
+        other = {"messages": USER, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=120) as http, \
+                http.stream("POST", url + "/v1/chat/completions", json=other) as r:
+            text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                           for line in r.iter_lines()
+                           if line.startswith("data: {") and '"choices": [{' in line)
+        assert text == api.generate(pair, USER, max_tokens=40, temperature=0).text
+        assert _until(lambda: engine.cancelled > cancelled), "the stalled stream went on"
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):      # the chunked body's end
+            received += stalled.recv(1 << 16)
+    events = [line[6:].rstrip(b"\r") for line in received.split(b"\n")
+              if line.startswith(b"data: ")]     # one SSE event per HTTP chunk
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "slow_reader"
+    tokens = [e for e in events[:-2] if json.loads(e)["choices"][0]["delta"].get("content")]
+    assert BOUND < len(tokens) < 20_000
