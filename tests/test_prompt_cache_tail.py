@@ -110,19 +110,17 @@ def test_a_turn_appended_after_the_tail_is_rewritten_reprefills_the_tail_and_the
     assert got.tokens == api.generate(pair, turn, chat=True, max_tokens=4).tokens
 
 
-def _state(pair, cache, messages, plan=True):
-    """The session's arrays after prefilling ``messages`` from ``cache`` (its checkpoints
-    planned; without ``plan``, only those a cache without tail stops plans)."""
+def _state(pair, cache, messages):
+    """Where ``cache`` has the prefill of ``messages`` stop, how many tokens it reused, and the
+    session's state after it (a cache without a memory tier, ``PromptCache(0)``, plans its
+    stops but none near the end: only the memory tier keeps those)."""
     session = pair.session()
     ids = prompt_ids(pair.tokenizer, messages, True)
     reused = cache.start(session, ids, message_boundaries(pair.tokenizer, messages, {}, ids))
-    tail = [c for c in session.checkpoints if c > len(ids) - TAIL[0] - 128]
-    if not plan:
-        session.checkpoints = tuple(c for c in session.checkpoints
-                                    if c not in tail or c == len(ids) - 1)
+    stops = set(session.checkpoints)
     prefill(session, ids, tap=True)
     cache.finish(session)
-    return reused, tail, _arrays(session.snapshot(), pair.drafter.context_keep)
+    return stops, reused, _arrays(session.snapshot(), pair.drafter.context_keep)
 
 
 def _arrays(snap, keep: int) -> list:
@@ -139,15 +137,17 @@ def test_the_tail_stops_change_no_bit_of_what_a_prefill_computes(pair):
     same prompt gives the same bits with and without them, and an edited prompt continued
     from one gives the bits of its own cold run."""
     messages = agent(SYSTEM_A, 3_000)
-    _, tail, with_tail = _state(pair, PromptCache(1 << 28), messages)
-    _, _, without = _state(pair, PromptCache(1 << 28), messages, plan=False)
-    assert len(tail) >= len(TAIL)           # the three stops and the one before the last token
+    stops, _, with_tail = _state(pair, PromptCache(1 << 28), messages)
+    others, _, without = _state(pair, PromptCache(0), messages)
+    tail = stops - others
+    assert len(tail) == len(TAIL) and others < stops
+    assert len(with_tail) == len(without) > 0
     assert all(np.array_equal(a, b) for a, b in zip(with_tail, without))
 
     edit = rewritten(messages, 100, pair.tokenizer)
     warm = PromptCache(1 << 28)
     _state(pair, warm, messages)
-    reused, _, continued = _state(pair, warm, edit)
+    _, reused, continued = _state(pair, warm, edit)
     _, _, cold = _state(pair, PromptCache(1 << 28), edit)
     assert reused in tail
     assert len(continued) == len(cold) > 0
