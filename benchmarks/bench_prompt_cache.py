@@ -311,6 +311,80 @@ def part_cost(a):
     return out
 
 
+# ------------------------------------------------------------------------------------ tail
+
+
+def long_request(tokenizer, system_tokens: int, user_tokens: int) -> list[dict]:
+    """An agent's prompt: a system prompt, then one long last message (Python source, the
+    demo model's own kind of text) of about ``user_tokens`` tokens."""
+    import inspect
+    import json as _json
+    source = inspect.getsource(_json.decoder) + inspect.getsource(_json.encoder) + \
+        inspect.getsource(inspect)
+    lo, hi = 0, len(source)
+    while hi - lo > 16:                 # the shortest head of the source that is long enough
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(tokenizer.encode(source[:mid])) < user_tokens else (lo, mid)
+    return agent_prefix(tokenizer, system_tokens) + [{"role": "user", "content": source[:hi]}]
+
+
+def edited(messages: list[dict], chars_from_end: int, length: int = 40) -> list[dict]:
+    """``messages`` with ``length`` characters of the last message rewritten, starting
+    ``chars_from_end`` characters before its end (as an agent rewrites its last message)."""
+    text = messages[-1]["content"]
+    at = len(text) - chars_from_end
+    new = "".join("#" if c != "\n" else c for c in text[at:at + length])
+    return messages[:-1] + [{"role": "user", "content": text[:at] + new + text[at + length:]}]
+
+
+def chars_for_tokens(tokenizer, text: str, tokens: int) -> int:
+    """How many characters from the end of ``text`` hold its last ``tokens`` tokens."""
+    lo, hi = 0, len(text)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(tokenizer.encode(text[-mid:])) < tokens else (lo, mid)
+    return hi
+
+
+def part_tail(a):
+    """Re-prefilled tokens after an edit near the end of a long prompt, and after a turn
+    appended, in one process on the demo pair with the default in-memory prompt cache; and
+    what each checkpoint holds."""
+    import mlx_dspark as md
+    from mlx_dspark.prompt_cache.cache import PromptCache
+    pair = md.load()
+    messages = long_request(pair.tokenizer, a.system, a.tokens)
+    text = messages[-1]["content"]
+    cases = {"40 characters from the end": edited(messages, 40),
+             f"{a.edit} tokens from the end": edited(
+                 messages, chars_for_tokens(pair.tokenizer, text, a.edit))}
+    out = {}
+    for name, follow in cases.items():
+        pair.prompt_cache = PromptCache(a.cache_mb << 20)
+        first = md.generate(pair, messages, chat=True, max_tokens=2, temperature=0)
+        before = len(pair.prompt_cache.memory)
+        got = md.generate(pair, follow, chat=True, max_tokens=2, temperature=0)
+        out[name] = {"prompt_tokens": got.stats.prompt_tokens,
+                     "cached": got.stats.reused_tokens,
+                     "re-prefilled": got.stats.prompt_tokens - got.stats.reused_tokens}
+    memory = pair.prompt_cache.memory
+    out["snapshots after the first request"] = before
+    sizes = sorted((len(k), s.nbytes) for (_, k), s in memory._entries.items())
+    out["snapshot bytes (tokens, nbytes)"] = sizes
+    out["cache bytes (distinct arrays)"] = memory.nbytes
+    pair.prompt_cache = PromptCache(a.cache_mb << 20)
+    first = md.generate(pair, messages, chat=True, max_tokens=8, temperature=0)
+    turn = messages + [{"role": "assistant", "content": first.text},
+                       {"role": "user", "content": "Now write a test for it."}]
+    got = md.generate(pair, turn, chat=True, max_tokens=2, temperature=0)
+    new = got.stats.prompt_tokens - first.stats.prompt_tokens
+    out["a turn appended"] = {"prompt_tokens": got.stats.prompt_tokens,
+                              "cached": got.stats.reused_tokens,
+                              "re-prefilled": got.stats.prompt_tokens - got.stats.reused_tokens,
+                              "tokens after the previous prompt": new}
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="part", required=True)
@@ -327,9 +401,14 @@ def main():
     c.add_argument("path")
     c.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     c.add_argument("--reps", type=int, default=3)
+    t = sub.add_parser("tail")
+    t.add_argument("--tokens", type=int, default=8000)
+    t.add_argument("--system", type=int, default=600)
+    t.add_argument("--edit", type=int, default=500)
+    t.add_argument("--cache-mb", type=int, default=1024)
     a = p.parse_args()
     result = {"demo": part_demo, "realwidth": part_realwidth, "cost": part_cost,
-              "hostile": part_hostile}[a.part](a)
+              "hostile": part_hostile, "tail": part_tail}[a.part](a)
     print(json.dumps(result, indent=1))
 
 

@@ -20,6 +20,7 @@ multiples). Feeding a prompt in pieces costs within the noise of one step."""
 from __future__ import annotations
 
 PIECE = 512
+CHUNK = 128         # the Mamba scan's chunk of a target that does not name its own
 SIZES = ((0, PIECE), (4096, PIECE // 2), (8192, PIECE // 4))   # (from this context on, size)
 
 
@@ -44,4 +45,27 @@ def ends(start: int, stops: list[int], target, sizes=SIZES) -> list[int]:
             cut += size_at(cut, sizes)
         out.append(stop)
         start = stop
+    return out
+
+
+def silent(stops: list[int], wanted, target) -> set[int]:
+    """Where a prefill that stops at ``stops`` (its start, its cuts and its end) may also stop
+    without a bit of what it computes changing, near each of ``wanted``: the last position at
+    or before it that is a whole number of the Mamba scan's chunks (``scan_chunk``) past the
+    stop before it, so the scan's chunks stay where they were (as the pieces'), and more than
+    ``serial_max`` tokens before the stop after it, so no stretch becomes one the SSM runs
+    position by position. A checkpoint there costs its snapshot alone, and a later prompt
+    that shares the stops before it computes from it what its own cold run computes, to the
+    bit."""
+    chunk = getattr(target, "scan_chunk", CHUNK)
+    serial = getattr(target, "serial_max", 0)
+    out = set()
+    for want in wanted:
+        before = max((s for s in stops if s <= want), default=None)
+        if before is None:
+            continue
+        at = before + (want - before) // chunk * chunk
+        after = min((s for s in stops if s > at), default=None)
+        if at > before and after is not None and after - at > serial:
+            out.add(at)
     return out

@@ -335,6 +335,12 @@ class NemotronH(nn.Module):
     # how a long step is cut (decode/pieces.py cuts a prefill to compute the same to the bit)
     prefill_step, serial_max = PREFILL_STEP, SERIAL_MAX
 
+    @property
+    def scan_chunk(self) -> int:
+        """The Mamba scan's chunk: a prefill may stop a whole number of them past its last
+        stop without changing a bit (decode/pieces.py ``silent``)."""
+        return self.config.chunk_size
+
     def __init__(self, cfg: TargetConfig, w: dict, dtype=None, nvfp4=None):
         super().__init__()
         self.config = cfg

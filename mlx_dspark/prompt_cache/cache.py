@@ -6,9 +6,21 @@ space whose tokens begin the prompt (memory or disk, whichever holds more of it)
 checkpoints for the rest of the prefill: the end of each chat message (``boundaries``: the
 end of the system prompt and tool definitions is the first), every ``every`` tokens of a
 long prompt, and before its last token (the same prompt again, a completion or a single
-message, finds all but that token). Prefill stops at each (speculative.prefill), the session is snapshotted, and a
-later request that shares the prefix up to there, whatever follows, continues from it. The
-engine also remembers the end of each answer (the next turn of a chat).
+message, finds all but that token). Prefill stops at each (decode/prefill.py), the session
+is snapshotted, and a later request that shares the prefix up to there, whatever follows,
+continues from it. The engine also remembers the end of each answer (the next turn of a chat).
+
+Agents rewrite the tail of their last message from one call to the next, so the prefill also
+stops near the prompt's end (``TAIL``: at or before 500, 128 and 16 tokens before the end of
+the last message, taken as 32 tokens before the prompt's end), where an edit of the message's
+last 500 tokens finds a checkpoint less than a Mamba chunk (64 tokens on the demo pair, 128 on
+Lightning) before the distance it falls under. Those stops are silent (decode/pieces.py
+``silent``): a whole number of the Mamba scan's chunks past the stop before them, so a prompt
+computes the same bits with them or without them, and the edited prompt continued from one
+computes what its own cold run computes.
+They are kept in memory only (an edit comes seconds later, not after a restart) and are the
+first evicted (memory.py: ``EDIT`` before ``TURN`` before ``SYSTEM``, the end of the first
+message, which every new conversation of the same agent shares).
 
 A request continued from a checkpoint computes what its cold run computed after that point,
 piece for piece: the cuts come from the prompt alone (its message ends and multiples of
@@ -21,9 +33,14 @@ docs/prompt-cache.md)."""
 
 from __future__ import annotations
 
-from .memory import PrefixCache
+from ..decode import pieces
+from .memory import EDIT, SYSTEM, TURN, PrefixCache
 
 CHECKPOINT_EVERY = 4096
+GENERATION_PROMPT = 32  # tokens after the last message a chat template adds (demo: 29 at most)
+# Where a checkpoint goes for an edit of the last message (at or before, tokens before the
+# prompt's end): 500, 128 and 16 tokens before that message's end.
+TAIL = tuple(d + GENERATION_PROMPT for d in (500, 128, 16))
 
 
 class PromptCache:
@@ -51,9 +68,25 @@ class PromptCache:
         cuts.update(range((start // self.every + 1) * self.every, end, self.every))
         if start < end - 1:     # before the last token: serves this prompt again, and any
             cuts.add(end - 1)   # longer one (an identical repeat has no other boundary)
-        session.checkpoints = tuple(sorted(cuts))
-        session.on_checkpoint = lambda s: self.remember(s, space)
+        rank = dict.fromkeys(cuts, TURN)
+        if boundaries and boundaries[0] in rank:
+            rank[boundaries[0]] = SYSTEM
+        rank.update(dict.fromkeys(self._tail(session, prompt, boundaries, cuts) - cuts, EDIT))
+        session.checkpoints = tuple(sorted(rank))
+        session.on_checkpoint = lambda s: self.remember(s, space, rank.get(len(s.tokens), TURN))
         return start
+
+    def _tail(self, session, prompt, boundaries, cuts) -> set[int]:
+        """Where the prefill also stops near the prompt's end, inside its last message (after
+        the last boundary), for an edit there: at or before each ``TAIL`` distance from the
+        end, where a stop changes nothing computed (pieces.silent). None without a memory
+        tier, which alone keeps them."""
+        start, end = len(session.tokens), len(prompt)
+        last = max([start, *(b for b in boundaries if b < end)])
+        wanted = [end - d for d in TAIL if end - d > last]
+        if self.memory is None or not wanted:
+            return set()
+        return pieces.silent(sorted({start, end, *cuts}), wanted, session.target)
 
     def _from_disk(self, session, prompt, space: str, longer_than: int) -> bool:
         """Restore into ``session`` the longest snapshot on disk of ``space`` that begins
@@ -100,27 +133,29 @@ class PromptCache:
             self.finish(session)
         self.remember(session, space)
 
-    def remember(self, session, space: str = ""):
-        """Keep the session's present state (in memory, and on disk when there is a store)."""
+    def remember(self, session, space: str = "", rank: int = TURN):
+        """Keep the session's present state at ``rank`` (memory.py; in memory, and on disk
+        when there is a store, unless it only serves an edit of the tail: ``EDIT``)."""
         tokens = session.tokens
         if not tokens:
             return
-        in_memory = self.memory is None or self.memory.touch(tokens, space)
-        on_disk = self.store is None or (space, tokens) in self.store
+        in_memory = self.memory is None or self.memory.touch(tokens, space, rank)
+        on_disk = self.store is None or rank == EDIT or (space, tokens) in self.store
         if in_memory and on_disk:
             return
         snap = session.snapshot()
         if not in_memory:
-            self.memory.add(snap, space)
+            self.memory.add(snap, space, rank)
         if not on_disk:
             self.store.add(snap, space)
 
     def health(self) -> dict:
         """What ``/health`` shows."""
-        out = {"found": dict(self.found), "checkpoint_every": self.every}
+        out = {"found": dict(self.found), "checkpoint_every": self.every,
+               "tail": list(TAIL)}
         if self.memory is not None:
             out["memory"] = {"snapshots": len(self.memory), "bytes": self.memory.nbytes,
-                             "budget_bytes": self.memory.budget}
+                             "budget_bytes": self.memory.budget, "ranks": self.memory.ranks()}
         if self.store is not None:
             out["disk"] = {"dir": self.store.dir, "snapshots": len(self.store.entries),
                            "bytes": self.store.nbytes, "budget_bytes": self.store.budget,

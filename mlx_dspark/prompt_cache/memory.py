@@ -11,8 +11,12 @@ Snapshots live in *spaces* (a hash of the API key and the request's ``cache_salt
 only ever finds snapshots of its own space, so whether a prompt was cached tells nothing about
 other users' prompts.
 
-The cache holds at most ``budget`` bytes and evicts the least recently used snapshot first. It
-counts what it really holds: each distinct array once, however many snapshots share it (Mamba
+The cache holds at most ``budget`` bytes. Each snapshot has a rank, and the cache evicts the
+lowest rank first, the least recently used first within a rank: the checkpoints near a prompt's
+end that serve an edit of its tail (``EDIT``) go before message ends, prompt ends and answers
+(``TURN``), which go before the end of a conversation's first message, its system prompt and
+tools (``SYSTEM``): the one prefix every new conversation of an agent shares. It counts what it
+really holds: each distinct array once, however many snapshots share it (Mamba
 states, the drafter's context and queued taps are shared references; attention keys and values
 are copies). A snapshot larger than the whole budget is not kept."""
 
@@ -20,12 +24,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+EDIT, TURN, SYSTEM = range(3)       # ranks: the lowest is evicted first
+RANKS = {EDIT: "edit", TURN: "turn", SYSTEM: "system"}
+
 
 class PrefixCache:
     def __init__(self, budget: int):
         self.budget = budget
         self.nbytes = 0                 # bytes of the distinct arrays held
         self._entries: OrderedDict[tuple, object] = OrderedDict()   # (space, tokens) -> snap
+        self._rank: dict[tuple, int] = {}                            # (space, tokens) -> rank
         self._held: dict[int, list] = {}        # id(array) -> [array, snapshots holding it]
 
     def __len__(self) -> int:
@@ -34,22 +42,34 @@ class PrefixCache:
     def __contains__(self, tokens) -> bool:
         return ("", tuple(tokens)) in self._entries
 
-    def touch(self, tokens, space: str = "") -> bool:
-        """Mark the snapshot of exactly ``tokens`` as used; False if there is none."""
+    def touch(self, tokens, space: str = "", rank: int = EDIT) -> bool:
+        """Mark the snapshot of exactly ``tokens`` as used, its rank raised to ``rank``;
+        False if there is none."""
         key = (space, tuple(tokens))
         if key not in self._entries:
             return False
         self._entries.move_to_end(key)
+        self._rank[key] = max(self._rank[key], rank)
         return True
 
-    def add(self, snapshot, space: str = "") -> None:
+    def ranks(self) -> dict[str, int]:
+        """How many snapshots the cache holds of each rank (``/health``)."""
+        counts = dict.fromkeys(RANKS.values(), 0)
+        for rank in self._rank.values():
+            counts[RANKS[rank]] += 1
+        return counts
+
+    def add(self, snapshot, space: str = "", rank: int = TURN) -> None:
         """Keep ``snapshot`` (a session.Snapshot, or anything with ``tokens`` and ``nbytes``)
-        in ``space``, evicting the least recently used ones until it fits."""
-        if self.touch(snapshot.tokens, space) or self._new_bytes(snapshot) > self.budget:
+        in ``space`` at ``rank``, evicting (lowest rank, then least recently used) until it
+        fits."""
+        if self.touch(snapshot.tokens, space, rank) or \
+                self._new_bytes(snapshot) > self.budget:
             return
         while self.nbytes + self._new_bytes(snapshot) > self.budget:
-            self._release(self._entries.popitem(last=False)[1])
-        self._entries[(space, tuple(snapshot.tokens))] = snapshot
+            self._evict()
+        key = (space, tuple(snapshot.tokens))
+        self._entries[key], self._rank[key] = snapshot, rank
         for x in _parts(snapshot):
             held = self._held.setdefault(id(x), [x, 0])
             if held[1] == 0:
@@ -68,6 +88,13 @@ class PrefixCache:
         if best is not None:
             self._entries.move_to_end((space, tuple(best.tokens)))
         return best
+
+    def _evict(self):
+        """Drop the least recently used snapshot of the lowest rank held."""
+        low = min(self._rank.values())
+        key = next(k for k in self._entries if self._rank[k] == low)
+        del self._rank[key]
+        self._release(self._entries.pop(key))
 
     def _new_bytes(self, snapshot) -> int:
         """Bytes ``snapshot`` would add: its arrays the cache does not hold yet."""

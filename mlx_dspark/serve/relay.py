@@ -29,8 +29,7 @@ async def events(engine: Engine, job: Job, keepalive: bool = False):
     try:
         while True:
             try:
-                kind, item = await asyncio.wait_for(
-                    job.out.get(), KEEPALIVE_SECONDS if keepalive else None)
+                kind, item = await job.take(KEEPALIVE_SECONDS if keepalive else None)
             except asyncio.TimeoutError:
                 kind, item = "keepalive", engine.position(job)
             yield kind, item
