@@ -201,17 +201,19 @@ def _tools(body: dict) -> tuple[ToolUse, list]:
             raise ApiError("'tool_choice' needs 'tools' this server offers (function or "
                            "custom)", "tool_choice")
         return ToolUse(), []
+    last = frozenset(c.name for c in customs)
     if choice == "auto":
-        return ToolUse(defs, names, parallel=parallel), customs
+        return ToolUse(defs, names, parallel=parallel, last=last), customs
     if choice == "required":
-        return ToolUse(defs, names, tools.START + "\n", parallel), customs
+        return ToolUse(defs, names, tools.START + "\n", parallel, last), customs
     name = choice.get("name") if isinstance(choice, dict) \
         and choice.get("type") in ("function", "custom") else None
     if name not in names:
         raise ApiError("'tool_choice' must be auto, none, required, allowed_tools, or a "
                        "function or custom tool among 'tools' (hosted tools are not "
                        "offered)", "tool_choice")
-    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel), customs
+    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel, last), \
+        customs
 
 
 def _custom(tool: dict, where: str) -> tool_grammar.Custom:
