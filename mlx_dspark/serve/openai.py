@@ -11,7 +11,7 @@ import math
 import time
 import uuid
 
-from ..request import RequestError
+from ..request import REPETITION_PENALTY, RequestError
 from ..text import tools
 from ..text.chat_template import check_template_variables
 from . import fields
@@ -136,10 +136,12 @@ def penalty_options(body: dict) -> dict:
     to -100..100), mlx-lm's server's ``repetition_penalty``, ``repetition_context_size`` and
     ``min_p``; each honoured exactly under speculation (docs/sampling.md)."""
     num = (int, float)
+    least, most = REPETITION_PENALTY
     checks = {
         "presence_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "frequency_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
-        "repetition_penalty": (num, lambda v: 0 < v < math.inf, "a number > 0 (1 = off)"),
+        "repetition_penalty": (num, lambda v: least <= v <= most,
+                               f"in [{least:g}, {most:g}] (1 = off)"),
         "repetition_context_size": ((int,), lambda v: v >= 1, "at least 1"),
         "min_p": (num, lambda v: 0 <= v <= 1, "in [0, 1]"),
     }
