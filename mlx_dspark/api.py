@@ -414,7 +414,8 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     NumPy array of them, ``[T]`` or ``[1, T]``; a float one is a RequestError), or a
     :class:`Request` (then no other option is taken). Options (:func:`make_request`):
     ``temperature`` (finite, >= 0), ``top_p`` ([0, 1]), ``top_k`` (>= 0), ``seed`` (an
-    integer in [0, 2**64), as the server takes it), ``num_draft`` (an int, or "auto": each round's length chosen);
+    integer in [0, 2**64), as the server takes it), ``num_draft`` (an int, or "auto": each
+    round's length chosen);
     ``speculative``: "auto", True/"on" or False/"off";
     ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
     stop; a stop token is not part of the output; a stop string ends the text just before it,

@@ -307,8 +307,8 @@ def round_steps(run: Run, bonus: int, n: int):
                     run.constraint.allowed(target_logits, drafts))
     # the first unusable row among those serial decoding reads (up to the one after the
     # accepted drafts) ends the run, as it would have there
-    broken = (codes != 0) & (mx.arange(codes.shape[0]) <= a)
-    nxt = mx.where(broken.any(), codes[mx.argmax(broken.astype(mx.int32))], nxt.astype(mx.int32))
+    broken = ((codes != 0) & (mx.arange(codes.shape[0]) <= a)).astype(mx.int32)
+    nxt = mx.where(broken.any(), codes[mx.argmax(broken)], nxt.astype(mx.int32))
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt, -1)  # read below
     read = yield mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32)
     finite(read[1], session)

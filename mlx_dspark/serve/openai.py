@@ -326,7 +326,8 @@ def tool_parameters(schema, where: str) -> dict:
                 isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
             raise ApiError(f"'{at}.type' must be a type name or an array of them", f"{at}.type")
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise ApiError(f"'{where}.required' must be an array of names", f"{where}.required")
+        raise ApiError(f"'{where}.required' must be an array of parameter names, not "
+                       f"{json.dumps(required)[:60]}", f"{where}.required")
     return schema
 
 

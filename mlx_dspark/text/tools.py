@@ -132,10 +132,10 @@ def _is(value, kind: str) -> bool:
             "string": lambda v: isinstance(v, str)}.get(kind, lambda v: True)(value)
 
 
-def parse(text: str, functions: dict[str, dict], last=frozenset()) -> tuple[str, list[Call]]:
+def parse(text: str, functions: dict[str, dict]) -> tuple[str, list[Call]]:
     """``(text, calls)`` of a whole answer: the valid calls, and the text around them (what
     is next to a call loses its whitespace on that side; a wrong block stays as written)."""
-    s = Stream(functions, last)
+    s = Stream(functions)
     pieces = s.add(text) + s.finish()
     return "".join(p for p in pieces if isinstance(p, str)), \
         [p for p in pieces if isinstance(p, Call)]
