@@ -112,10 +112,12 @@ def test_accepted_drafts_give_the_next_verify_rows_their_history(target, serial,
 
 
 def bonus_history_only(self, logits, bonus, drafts):
-    """A broken ``Run.verified``: every verify row penalised with the first row's history."""
+    """A broken ``Run.verified``: every verify row penalised with the first row's history
+    (every row's code 0: usable)."""
     p = self.processors
     return mx.concatenate([p(p.history(self.session.tokens, bonus), logits[i:i + 1])
-                           for i in range(logits.shape[0])])
+                           for i in range(logits.shape[0])]), \
+        mx.zeros((logits.shape[0],), mx.int32)
 
 
 def test_verify_rows_with_the_wrong_history_are_caught(target, serial, monkeypatch):

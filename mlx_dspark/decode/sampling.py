@@ -86,7 +86,7 @@ class Sampler:
             logp = mask_vocab(logits.astype(mx.float32), self.vocab)
             logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
             tokens = mx.concatenate([as_token(self.custom(logp[i:i + 1]))
-                                     for i in range(logp.shape[0])])
+                                     for i in range(logp.shape[0])]).astype(mx.int64)
             return mx.where((tokens >= 0) & (tokens < logits.shape[-1]), tokens,
                             blame("sampler")).astype(mx.int32)
         return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab,
@@ -98,8 +98,8 @@ class Sampler:
 
 
 def as_token(value) -> mx.array:
-    """A user sampler's answer (an array or an int) as one token ``[1]``, in its own integer
-    type (an id past int32 is not wrapped into the vocabulary)."""
+    """A user sampler's answer (an array or an int) as one token ``[1]``, in its own type
+    (an id past int32 is not wrapped into the vocabulary: Sampler.choose checks it)."""
     token = value if isinstance(value, mx.array) else mx.array(value)
     return token.reshape(1)
 
