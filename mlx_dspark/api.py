@@ -412,9 +412,12 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``max_tokens``: most tokens to generate (default 256).
 
     ``prompt``: a str (encoded with the tokenizer; ``chat=True`` applies the chat template), a
-    list of chat messages, a list of token ids used verbatim, or a :class:`Request` (then no
-    other option is taken). Options (:func:`make_request`): ``temperature``, ``top_p``,
-    ``top_k``, ``seed``, ``num_draft`` (an int, or "auto": each round's length chosen);
+    list of chat messages, a list of token ids used verbatim (or an integer ``mx.array`` /
+    NumPy array of them, ``[T]`` or ``[1, T]``; a float one is a RequestError), or a
+    :class:`Request` (then no other option is taken). Options (:func:`make_request`):
+    ``temperature`` (finite, >= 0), ``top_p`` ([0, 1]), ``top_k`` (>= 0), ``seed`` (an
+    integer in [0, 2**64), as the server takes it), ``num_draft`` (an int, or "auto": each
+    round's length chosen);
     ``speculative``: "auto", True/"on" or False/"off";
     ``stop``: extra stop token ids (ints) and/or stop strings (the tokenizer's eos ids always
     stop; a stop token is not part of the output; a stop string ends the text just before it,
@@ -441,13 +444,15 @@ def stream_generate(pair: Pair, prompt, max_tokens: int | None = None, *,
     ``stats.seed``.
 
     mlx-lm's knobs, exact under speculation (docs/sampling.md, "Penalties and processors"):
-    ``min_p`` (with ``min_tokens_to_keep``), ``repetition_penalty`` over the last
-    ``repetition_context_size`` tokens (20; prompt included), ``presence_penalty`` and
-    ``frequency_penalty`` (OpenAI's, over the generated tokens), ``logit_bias`` ({id: bias},
-    added to the logits), ``logits_processors`` (a list
-    of ``(tokens, logits) -> logits``, applied to every row, the drafter's and the target's,
-    with the tokens before it) and ``sampler`` (``logprobs -> token``, instead of the
-    temperature, top-p, top-k, min-p and seed; drafts are kept while they equal its token).
+    ``min_p`` ([0, 1], with ``min_tokens_to_keep``), ``repetition_penalty`` ([0.001, 1000];
+    1 = off) over the last ``repetition_context_size`` tokens (20; prompt included),
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2], over the generated
+    tokens), ``logit_bias`` ({id: finite bias}, added to the logits), ``logits_processors`` (a
+    list of ``(tokens, logits) -> logits``, applied to every row, the drafter's and the
+    target's, with the tokens before it) and ``sampler`` (``logprobs -> token``, instead of
+    the temperature, top-p, top-k, min-p and seed; drafts are kept while they equal its
+    token). Logits that one of these leaves with a NaN, a +inf or no token above -inf end the
+    run with a RequestError naming it, as does a sampler's id outside the vocabulary.
 
     ``logprobs``: score each token under the target's own distribution with this many top
     alternatives (0..20), read off the rows the generation computed; the last chunk's

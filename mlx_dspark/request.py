@@ -23,6 +23,10 @@ SEEDS = 1 << 64
 MAX_DRAFT = 64      # no drafter proposes more per round; bounds what a request can allocate
 AUTO_DRAFT = "auto"    # num_draft: each round's length chosen by the controller (decode/length.py)
 MAX_LOGPROBS = 20      # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+# repetition_penalty's range: past a factor of 1000 either way a penalty changes nothing a
+# user could want (a seen token's logit already cut to about 0 or scaled a thousandfold), and
+# one of 1e-38 overflows float32 logits to inf.
+REPETITION_PENALTY = (1e-3, 1e3)
 
 # The API keyword -> the CLI flag that sets it (commands print refusals with the flag).
 FLAGS = {
@@ -101,13 +105,14 @@ def check_sampling(temperature, top_p, top_k, sampling: str = DEFAULT_SCHEME,
 
 def check_penalties(repetition_penalty, repetition_context_size, presence_penalty,
                     frequency_penalty):
-    """Refuse penalties outside their meaning: ``repetition_penalty`` > 0 (1 or None = off,
-    mlx-lm's), a context of at least one token, presence and frequency penalties in [-2, 2]
-    (OpenAI's range; 0 = off)."""
+    """Refuse penalties outside their meaning: ``repetition_penalty`` in
+    :data:`REPETITION_PENALTY` (1 or None = off, mlx-lm's), a context of at least one token,
+    presence and frequency penalties in [-2, 2] (OpenAI's range; 0 = off)."""
+    least, most = REPETITION_PENALTY
     if repetition_penalty is not None and (not _number(repetition_penalty)
-                                           or not 0 < repetition_penalty < math.inf):
-        raise RequestError("repetition_penalty", f"repetition_penalty must be a finite number "
-                                                 f"> 0 (1 or None = off), not "
+                                           or not least <= repetition_penalty <= most):
+        raise RequestError("repetition_penalty", f"repetition_penalty must be in [{least:g}, "
+                                                 f"{most:g}] (1 or None = off), not "
                                                  f"{repetition_penalty!r}")
     if not _integer(repetition_context_size) or repetition_context_size < 1:
         raise RequestError("repetition_context_size", f"repetition_context_size must be an "
@@ -128,7 +133,7 @@ class Request:
     drafter is not asked). ``num_draft``: drafts per round, or "auto": each round's length
     chosen for the most expected tokens per unit of time (decode/length.py). ``sampling``:
     "rejection" or "reproducible" (docs/sampling.md); None (the default) is "reproducible" when a seed is given, so that a seed means the same text in
-    every mode, else "rejection". ``seed``: any integer (taken mod 2**64), None for a random one
+    every mode, else "rejection". ``seed``: an integer in [0, 2**64), None for a random one
     (the one drawn is in ``Stats.seed``). ``stop_tokens``: ids that end the run (emitted, never
     fed); ``stop_strings``: texts that end it (cut before them, by the API's detokenizing
     layer). ``thinking``: a :class:`Thinking` when the prompt opened a thinking block (the
@@ -198,8 +203,6 @@ class Request:
             object.__setattr__(self, "sampling", SEEDED_SCHEME if self.seed is not None
                                else DEFAULT_SCHEME)
         self._check()
-        if self.seed is not None:     # any integer, as the generators take it: mod 2**64
-            object.__setattr__(self, "seed", self.seed % SEEDS)
 
     def _check(self):
         if not self.prompt:
@@ -218,8 +221,9 @@ class Request:
                                              or not 1 <= self.num_draft <= MAX_DRAFT):
             raise RequestError("num_draft", f"num_draft must be an integer in [1, {MAX_DRAFT}] "
                                             f"or {AUTO_DRAFT!r}, not {self.num_draft!r}")
-        if self.seed is not None and not _integer(self.seed):
-            raise RequestError("seed", f"seed must be an integer or None, not {self.seed!r}")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < SEEDS):
+            raise RequestError("seed", f"seed must be an integer in [0, 2**64) or None, not "
+                                       f"{self.seed!r}")
         if not all(_integer(t) and t >= 0 for t in self.stop_tokens):
             raise RequestError("stop", "stop token ids must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop_strings):

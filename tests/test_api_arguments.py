@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import mlx.core as mx
 import pytest
 
 from mlx_dspark import api
@@ -26,13 +27,24 @@ def pair():
     (dict(stop=True), "stop"), (dict(chat="yes"), "chat"),
     (dict(chat_template_kwargs=3), "chat_template_kwargs"),
     (dict(chat=True, chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
-    (dict(seed=1.5), "seed"), (dict(temperature="1"), "temperature"),
+    (dict(seed=1.5), "seed"), (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"),
+    (dict(temperature="1"), "temperature"),
+    (dict(repetition_penalty=1e-38), "repetition_penalty"),
+    (dict(repetition_penalty=1e-45), "repetition_penalty"),
     (dict(top_p=float("nan")), "top_p"), (dict(speculative="maybe"), "speculative")])
 def test_a_bad_argument_is_one_request_error_naming_it(pair, options, param):
     with pytest.raises(RequestError) as e:
         api.generate(pair, "Hello", **{"max_tokens": 2, **options})
     assert e.value.param == param
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prompt", [mx.array([1.5, 2.0]), mx.array([[1.0, 2.0]]),
+                                    mx.array([True, False])])
+def test_an_array_prompt_that_is_not_token_ids_is_refused_as_what_it_is(pair, prompt):
+    with pytest.raises(RequestError) as e:
+        api.generate(pair, prompt, max_tokens=2)
+    assert e.value.param == "prompt" and str(prompt.dtype) in str(e.value)
 
 
 def test_a_stop_id_and_max_tokens_none_keep_their_documented_meanings(pair):

@@ -112,10 +112,12 @@ def test_accepted_drafts_give_the_next_verify_rows_their_history(target, serial,
 
 
 def bonus_history_only(self, logits, bonus, drafts):
-    """A broken ``Run.verified``: every verify row penalised with the first row's history."""
+    """A broken ``Run.verified``: every verify row penalised with the first row's history
+    (every row's code 0: usable)."""
     p = self.processors
     return mx.concatenate([p(p.history(self.session.tokens, bonus), logits[i:i + 1])
-                           for i in range(logits.shape[0])])
+                           for i in range(logits.shape[0])]), \
+        mx.zeros((logits.shape[0],), mx.int32)
 
 
 def test_verify_rows_with_the_wrong_history_are_caught(target, serial, monkeypatch):
@@ -329,6 +331,9 @@ def test_penalised_greedy_on_the_demo_pair_is_serial_greedy_with_every_drafter_k
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(repetition_penalty=-1.2), "repetition_penalty"),
+    (dict(repetition_penalty=1e-38), "repetition_penalty"),
+    (dict(repetition_penalty=1e-4), "repetition_penalty"),
+    (dict(repetition_penalty=1e4), "repetition_penalty"),
     (dict(repetition_context_size=0), "repetition_context_size"),
     (dict(repetition_context_size=2.5), "repetition_context_size"),
     (dict(presence_penalty=3), "presence_penalty"),
@@ -350,3 +355,34 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_before_decoding(target):
     with pytest.raises(RequestError) as e:
         decode(Session(target), Request(PROMPT, logit_bias={97: 1.0}))
     assert e.value.param == "logit_bias" and "97" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# logits a field leaves unusable end the run naming it (never a run of token 0)
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(logits_processors=[lambda tokens, z: z * mx.nan]), "logits_processors"),
+    (dict(logits_processors=[lambda tokens, z: mx.where(mx.arange(z.shape[-1]) == 7, mx.inf,
+                                                        z)]), "logits_processors"),
+    (dict(logits_processors=[lambda tokens, z: z - mx.inf]), "logits_processors"),
+    (dict(logit_bias={5: 1e39}), "logit_bias"),     # finite in Python, inf in float32
+    (dict(sampler=lambda lp: mx.array([97])), "sampler"),     # the tiny target has 97 ids
+    (dict(sampler=lambda lp: -1), "sampler"),
+    (dict(sampler=lambda lp: 2 ** 40 + 5), "sampler")])    # not wrapped to 5
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_logits_a_field_leaves_unusable_are_an_error_naming_it(target, options, field,
+                                                               temperature, mode):
+    if "sampler" in options:
+        temperature = 0.0
+    with pytest.raises(RequestError) as e:
+        generate(target, random_drafter(target), mode, temperature=temperature, **options)
+    assert e.value.param == field and field in str(e.value)
+
+
+def test_a_processor_that_bans_tokens_with_minus_inf_is_no_error(target):
+    ban = [lambda tokens, z: mx.where(mx.arange(z.shape[-1]) < 50, -mx.inf, z)]
+    assert all(t >= 50 for t in generate(target, None, logits_processors=ban))
+    assert generate(target, random_drafter(target), "on", logits_processors=ban) == \
+        generate(target, None, logits_processors=ban)

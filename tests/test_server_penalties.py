@@ -46,7 +46,9 @@ def test_every_knob_reaches_the_request_as_sent(c, engine, monkeypatch, path):
 
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"),
-    ("repetition_penalty", 0), ("repetition_context_size", 0), ("repetition_context_size", 1.5),
+    ("repetition_penalty", 0), ("repetition_penalty", 1e-38), ("repetition_penalty", 1e-45),
+    ("repetition_penalty", 1e4), ("repetition_context_size", 0),
+    ("repetition_context_size", 1.5),
     ("min_p", 1.5), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
     ("logit_bias", {"5": True}), ("logit_bias", {"999999": 1})])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])

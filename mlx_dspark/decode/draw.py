@@ -61,8 +61,8 @@ class Draw:
         if self.constraint is not None:
             z = constrain(z, self.constraint(j, prev))
         s = self.sampler
-        if s.custom is not None:
-            return s.choose(z, None), z
+        if s.custom is not None:     # an id out of range is drafted as 0: the target's own
+            return mx.maximum(s.choose(z, None), 0), z   # row decides, and names the sampler
         g = None if self.noise is None else self.noise[j:j + 1]
         return gumbel_max(z, s.temperature, s.top_p, s.top_k, g, s.vocab, s.min_p,
                           s.min_tokens_to_keep).astype(mx.int32), z

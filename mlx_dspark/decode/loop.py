@@ -49,10 +49,13 @@ from .session import Session
 def pick(run: Run, logits: mx.array, position: int, before, allowed=None) -> mx.array:
     """Choose the token at ``position`` from one row of target logits (lazy, shape []), after
     the tokens ``before`` (the processors'), among the ``allowed`` ones under a grammar; -1
-    when the logits are not finite (see :func:`finite`)."""
-    z = constrain(run.processors(before, logits), allowed)
-    token = run.sampler.choose(z, run.noise.at(position, 1, logits.shape[-1]))[0]
-    return mx.where(mx.isfinite(logits).all(), token.astype(mx.int32), -1)
+    when the logits are not finite, a lower code when a request's field left them unusable
+    (see :func:`finite`)."""
+    z, code = run.processors.checked(before, logits)
+    token = run.sampler.choose(constrain(z, allowed),
+                               run.noise.at(position, 1, logits.shape[-1]))[0]
+    token = mx.where(code[0] == 0, token.astype(mx.int32), code[0])
+    return mx.where(mx.isfinite(logits).all(), token, -1)
 
 
 def serial_step(run: Run, token):
@@ -298,10 +301,15 @@ def round_steps(run: Run, bonus: int, n: int):
     drafts, draft_logits = draft(run, bonus, n, None if g is None else g[:n])
     t1 = time.perf_counter()
     target_logits, taps = yield drafts
-    a, nxt = accept(drafts, draft_logits, run.verified(target_logits, bonus, drafts), sampler,
-                    g, None if sampler.coupled else noise.next_key(),
+    verified, codes = run.verified(target_logits, bonus, drafts)
+    a, nxt = accept(drafts, draft_logits, verified, sampler, g,
+                    None if sampler.coupled else noise.next_key(),
                     run.constraint.allowed(target_logits, drafts))
-    nxt = mx.where(mx.isfinite(target_logits).all(), nxt.astype(mx.int32), -1)  # read below
+    # the first unusable row among those serial decoding reads (up to the one after the
+    # accepted drafts) ends the run, as it would have there
+    broken = ((codes != 0) & (mx.arange(codes.shape[0]) <= a)).astype(mx.int32)
+    nxt = mx.where(broken.any(), codes[mx.argmax(broken)], nxt.astype(mx.int32))
+    nxt = mx.where(mx.isfinite(target_logits).all(), nxt, -1)  # read below
     read = yield mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32)
     finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]

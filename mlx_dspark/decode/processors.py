@@ -12,11 +12,33 @@ speculative decoding stays serial decoding's (greedy, "reproducible") or its dis
 The built-in ones: mlx-lm's ``repetition_penalty`` (the logit of a token among the last
 ``repetition_context_size`` tokens divided by the penalty when positive, multiplied when
 negative) and OpenAI's ``presence_penalty`` / ``frequency_penalty`` (``logit -= presence *
-[c > 0] + frequency * c``, ``c`` the token's count among the *generated* tokens)."""
+[c > 0] + frequency * c``, ``c`` the token's count among the *generated* tokens).
+
+A row that a processor turns unusable (a NaN, a +inf, or every token at -inf; a -inf alone
+is a ban, as mlx-lm's processors write them) is blamed on the field it came from:
+:meth:`Processors.checked` gives each row a negative code (:func:`blame`) that rides in the
+step's one read and run.finite turns into a RequestError naming that field."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+# The fields a row's unusable logits are blamed on; "sampler": a user's sampler= that
+# returned an id outside the vocabulary (sampling.Sampler.choose).
+BLAMED = ("logit_bias", "repetition_penalty", "frequency_penalty", "logits_processors",
+          "sampler")
+
+
+def blame(field: str) -> int:
+    """The code a token read as a negative number carries for ``field`` (-1 is the model's
+    own non-finite logits, run.finite)."""
+    return -2 - BLAMED.index(field)
+
+
+def usable(z: mx.array) -> mx.array:
+    """Whether a row of logits can be drawn from (lazy): no NaN, no +inf, some token
+    above -inf."""
+    return ~mx.isnan(z).any() & ~(z == mx.inf).any() & (z > -mx.inf).any()
 
 
 def counts(tokens: mx.array, vocab: int) -> mx.array:
@@ -55,22 +77,27 @@ def occurrence(presence: float, frequency: float, start: int):
 
 class Processors:
     """One decode call's processors: the request's logit bias and penalties, then its
-    ``logits_processors`` in order. Falsy when there are none (the loop then passes no history)."""
+    ``logits_processors`` in order, each with the field it came from (``fields``; a
+    :data:`BLAMED` name, "logits_processors" when not given). Falsy when there are none (the
+    loop then passes no history)."""
 
-    def __init__(self, funcs=()):
+    def __init__(self, funcs=(), fields=None):
         self.funcs = tuple(funcs)
+        self.fields = tuple(fields) if fields is not None else \
+            ("logits_processors",) * len(self.funcs)
         self._held, self._array = 0, mx.zeros((0,), mx.int32)
 
     @classmethod
     def of(cls, request) -> "Processors":
-        funcs = [bias(request.logit_bias)] if request.logit_bias else []
+        funcs = [(bias(request.logit_bias), "logit_bias")] if request.logit_bias else []
         if request.repetition_penalty not in (None, 1):
-            funcs.append(repetition(request.repetition_penalty,
-                                    request.repetition_context_size))
+            funcs.append((repetition(request.repetition_penalty,
+                                     request.repetition_context_size), "repetition_penalty"))
         if request.presence_penalty or request.frequency_penalty:
-            funcs.append(occurrence(request.presence_penalty, request.frequency_penalty,
-                                    len(request.prompt)))
-        return cls(funcs + list(request.logits_processors))
+            funcs.append((occurrence(request.presence_penalty, request.frequency_penalty,
+                                     len(request.prompt)), "frequency_penalty"))
+        funcs += [(f, "logits_processors") for f in request.logits_processors]
+        return cls([f for f, _ in funcs], [name for _, name in funcs])
 
     def __bool__(self) -> bool:
         return bool(self.funcs)
@@ -97,14 +124,23 @@ class Processors:
         ``ahead[:i + 1]`` (``ahead`` None: one row, after ``history``). Unchanged without
         processors. Float32, and each function gets a row of its own (an mlx-lm processor
         may write into it)."""
+        return self.checked(history, logits, ahead)[0]
+
+    def checked(self, history: mx.array | None, logits: mx.array,
+                ahead: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """The processed rows (as a call) and, per row, 0 or the :func:`blame` code of the
+        first processor that left it unusable (lazy int32 ``[k]``)."""
+        fine = mx.zeros((logits.shape[0],), mx.int32)
         if not self.funcs:
-            return logits
+            return logits, fine
         logits = logits.astype(mx.float32)
-        rows = []
+        rows, codes = [], []
         for i in range(logits.shape[0]):
             before = history if ahead is None else mx.concatenate([history, ahead[:i + 1]])
-            z = logits[i:i + 1]
-            for f in self.funcs:
+            z, code = logits[i:i + 1], fine[i]
+            for f, field in zip(self.funcs, self.fields):
                 z = f(before, z)
+                code = mx.where((code == 0) & ~usable(z), blame(field), code)
             rows.append(z)
-        return mx.concatenate(rows)
+            codes.append(code)
+        return mx.concatenate(rows), mx.stack(codes)

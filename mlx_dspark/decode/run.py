@@ -15,7 +15,7 @@ from ..stats import Stats
 from . import costs
 from .constraint import Grammatical, Unconstrained
 from .controller import Controller
-from .processors import Processors
+from .processors import BLAMED, Processors
 from .sampling import Noise, Sampler, log_probs
 from .session import Session
 
@@ -52,13 +52,22 @@ def check(session: Session, request: Request):
 def finite(token: int, session: Session) -> int:
     """``token`` as read from the device, or the run ends here: -1 marks logits with an inf
     or a NaN (an overflowing dtype, a corrupt weight), which would otherwise come out as
-    token 0 forever. The check rides in the one read each step already makes. The session's
-    state is garbage from here on, so it starts over."""
+    token 0 forever; a lower code (processors.blame) a row that a request's field left
+    unusable (a RequestError naming it). The check rides in the one read each step already
+    makes. The session's state is garbage from here on, so it starts over."""
     if token >= 0:
         return token
     dtype = str(getattr(session.target, "dtype", "its dtype")).rsplit(".", 1)[-1]
-    position = len(session.tokens)
+    position, vocab = len(session.tokens), session.target.config.vocab_size
     session.reset()
+    field = BLAMED[-2 - token] if token < -1 else None
+    if field == "sampler":
+        raise RequestError(field, f"sampler= returned a token id outside the model's "
+                                  f"vocabulary [0, {vocab}) at position {position}")
+    if field is not None:
+        raise RequestError(field, f"{field} left the logits at position {position} with a "
+                                  f"NaN, a +inf or no token above -inf: nothing can be drawn "
+                                  f"from them")
     raise NonFiniteLogits(f"the model's logits are not finite (inf or NaN) at position "
                           f"{position}, computing in {dtype}: an activation overflowed or a "
                           f"weight is corrupt; try another dtype (--dtype, dtype=) or check "
@@ -147,12 +156,13 @@ class Run:
         """The tokens before a row: the session's, then ``more`` (None without processors)."""
         return self.processors.history(self.session.tokens, *more)
 
-    def verified(self, logits: mx.array, bonus: int, drafts: mx.array) -> mx.array:
-        """The verify rows after the processors: row i after the context, bonus, d1..di."""
-        if not self.processors:
-            return logits
-        ahead = mx.concatenate([mx.array([bonus], dtype=mx.int32), drafts.astype(mx.int32)])
-        return self.processors(self.before(), logits, ahead)
+    def verified(self, logits: mx.array, bonus: int,
+                 drafts: mx.array) -> tuple[mx.array, mx.array]:
+        """The verify rows after the processors (row i after the context, bonus, d1..di) and
+        each row's code (Processors.checked)."""
+        ahead = mx.concatenate([mx.array([bonus], dtype=mx.int32), drafts.astype(mx.int32)]) \
+            if self.processors else None
+        return self.processors.checked(self.before(), logits, ahead)
 
     @classmethod
     def start(cls, call: Call, request: Request, stats: Stats) -> "Run":

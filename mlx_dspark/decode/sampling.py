@@ -23,6 +23,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..request import DEFAULT_SCHEME, Request, check_sampling
+from .processors import blame
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,16 @@ class Sampler:
                 self.min_tokens_to_keep)
 
     def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
-        """The token of each row of ``logits`` given its Gumbel noise (None when greedy)."""
+        """The token of each row of ``logits`` given its Gumbel noise (None when greedy). A
+        user's sampler's id outside the vocabulary comes back as the code that blames it
+        (processors.blame; run.finite names it)."""
         if self.custom is not None:
             logp = mask_vocab(logits.astype(mx.float32), self.vocab)
             logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-            return mx.concatenate([as_token(self.custom(logp[i:i + 1]))
-                                   for i in range(logp.shape[0])])
+            tokens = mx.concatenate([as_token(self.custom(logp[i:i + 1]))
+                                     for i in range(logp.shape[0])]).astype(mx.int64)
+            return mx.where((tokens >= 0) & (tokens < logits.shape[-1]), tokens,
+                            blame("sampler")).astype(mx.int32)
         return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab,
                           self.min_p, self.min_tokens_to_keep)
 
@@ -93,9 +98,10 @@ class Sampler:
 
 
 def as_token(value) -> mx.array:
-    """A user sampler's answer (an array or an int) as one int32 token ``[1]``."""
+    """A user sampler's answer (an array or an int) as one token ``[1]``, in its own type
+    (an id past int32 is not wrapped into the vocabulary: Sampler.choose checks it)."""
     token = value if isinstance(value, mx.array) else mx.array(value)
-    return token.astype(mx.int32).reshape(1)
+    return token.reshape(1)
 
 
 class Noise:

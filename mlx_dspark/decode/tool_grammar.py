@@ -8,7 +8,14 @@ A custom tool is shown to the model as a function with one string parameter, ``i
 ``<parameter=input>`` and ``</parameter>`` is the raw input. Each tool's grammar keeps its own
 rule names: it is a separate grammar in llguidance's top-level list, referenced as ``@gN``
 from the calls' grammar (:class:`Nested`). The result is a :class:`grammar.Grammar` like any
-other: it rides on the request, composes with the thinking block and with speculation."""
+other: it rides on the request, composes with the thinking block and with speculation.
+
+A tool's grammar may write the calls' own markup (``</parameter>``, ``</tool_call>``,
+``<tool_call>\n<function=other>``: an ``apply_patch`` line can hold any text), so no reader
+could tell where such an input ends if another call could follow it. A custom call is
+therefore the reply's last: the grammar allows nothing after it, and the reader
+(text/tools.Stream, ``last``) takes its input as everything up to the closing tags the reply
+ends with, exactly what the tool's grammar produced."""
 
 from __future__ import annotations
 
@@ -71,10 +78,12 @@ def calls(functions: list[dict], customs: list[Custom], prefix: str | None = Non
     arguments typed by their schemas as in grammar.tool_calls) and of ``customs`` (input
     held to each one's grammar). ``prefix`` None: free text, then (optionally) calls; else
     the reply's first call starts with ``prefix`` (already in the prompt) and the output is
-    the rest, the calls only. ``parallel``: more than one call. A function's arguments are
+    the rest, the calls only. ``parallel``: more than one call (a custom call is always the
+    last). A function's arguments are
     typed by its schema in a forced reply; after free text they are only held to end where
     the call ends (read, and a wrong call left as text, as without a grammar)."""
-    rules, firsts, subs = [], [], []
+    rules, subs = [], []
+    firsts = {"f": [], "c": []}   # a function's call may be followed; a custom's ends it all
     tools = [("f", f.get("function", f)) for f in functions] + [("c", c) for c in customs]
     typed = [grammar._parameters(t, "tools") if k == "f" and prefix is not None else None
              for k, t in tools]
@@ -98,16 +107,20 @@ def calls(functions: list[dict], customs: list[Custom], prefix: str | None = Non
         start = "<tool_call>" if prefix is None else prefix
         if opening.startswith(start):
             rest = opening[len(start):]
-            firsts.append(f"{json.dumps(rest)} b{i}" if rest else f"b{i}")
-    if not firsts:
+            firsts[kind].append(f"{json.dumps(rest)} b{i}" if rest else f"b{i}")
+    if not firsts["f"] + firsts["c"]:
         raise RequestError("tool_choice", f"no tool call starts with {prefix!r}")
-    more = ' ("\\n" call)*' if parallel else ""
+    ended = [f"f{i}" for i, (kind, _) in enumerate(tools) if kind == "f"]
+    lasts = [f"f{i}" for i, (kind, _) in enumerate(tools) if kind == "c"]
+    more = "".join([' ("\\n" call)*'] * bool(ended) + [' ("\\n" last)?'] * bool(lasts)) \
+        if parallel else ""
+    alts = [f"({' | '.join(firsts['f'])}){more}"] * bool(firsts["f"]) + firsts["c"]
     head = "start: TEXT | head first" if prefix is None else "start: first"
     text = "\n".join([
-        head + more, *(["TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
-                        "head[lazy]: /(?s:.*)<tool_call>/"] if prefix is None else []),
-        f"first: {' | '.join(firsts)}",
-        f"call: {' | '.join(f'f{i}' for i in range(len(tools)))}", *rules])
+        head, *(["TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+                 "head[lazy]: /(?s:.*)<tool_call>/"] if prefix is None else []),
+        f"first: {' | '.join(alts)}", *([f"call: {' | '.join(ended)}"] if ended else []),
+        *([f"last: {' | '.join(lasts)}"] if lasts else []), *rules])
     label = f"tool calls to {', '.join(t['name'] if k == 'f' else t.name for k, t in tools)}"
     top = {"grammars": [{"lark_grammar": text}] +
            [{"name": f"g{j}", "lark_grammar": sub} for j, sub in enumerate(subs)]}

@@ -19,9 +19,10 @@ from ..text import tools
 
 def one_call_stops(use) -> list[str]:
     """The stop strings a request's tool use adds (``use``: openai.ToolUse): the end of a
-    call when the reply may hold one call and no grammar holds it to one."""
+    call when the reply may hold one call and no grammar holds it to one (a forced call's
+    does, and so does a custom tool's, whose input may hold that very tag)."""
     return [tools.END] if use.functions is not None and not use.parallel \
-        and not use.prefill else []
+        and not use.prefill and not use.last else []
 
 
 class Answer:
@@ -29,8 +30,8 @@ class Answer:
     ``("text", str)`` and ``("call", tools.Call)``."""
 
     def __init__(self, functions: dict | None = None, prefill: str = "",
-                 one_call: bool = False):
-        self.stream = tools.Stream(functions) if functions is not None else None
+                 one_call: bool = False, last=frozenset()):
+        self.stream = tools.Stream(functions, last) if functions is not None else None
         self.one_call = one_call
         self.reasoning: list[str] = []
         self.text: list[str] = []
@@ -43,7 +44,7 @@ class Answer:
     @classmethod
     def of(cls, use) -> "Answer":
         """The answer to a request with tool use ``use`` (openai.ToolUse)."""
-        return cls(use.functions, use.prefill, bool(one_call_stops(use)))
+        return cls(use.functions, use.prefill, bool(one_call_stops(use)), use.last)
 
     def ours(self, chunk) -> bool:
         """Whether the stop string that ended ``chunk`` is the one :func:`one_call_stops`

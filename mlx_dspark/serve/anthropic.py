@@ -14,7 +14,8 @@ from . import fields
 from .answer import Answer, one_call_stops
 from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
-from .openai import _get, constraint_options, stop_strings
+from .fields import typed
+from .openai import constraint_options, stop_strings, tool_parameters
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -23,20 +24,20 @@ def read(body: dict, defaults: Defaults, count: bool = False) -> Asked:
     """A /v1/messages body checked and read (``count``: a count_tokens body, which needs no
     ``max_tokens``). Anthropic's own defaults (temperature 1, no top_k) stand where the body
     leaves a field out; of the server's, only the engine's options apply."""
-    model = None if count else _get(body, "model", (str,))
+    model = None if count else typed(body, "model", (str,))
     fields.check(body, "count_tokens" if count else "messages")
-    max_tokens = _get(body, "max_tokens", (int,), lambda n: n >= 1, "at least 1")
+    max_tokens = typed(body, "max_tokens", (int,), lambda n: n >= 1, "at least 1")
     if max_tokens is None and not count:
         raise ApiError("'max_tokens' is required", "max_tokens")
     num = (int, float)
-    temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 1, "between 0 and 1")
-    top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
-    top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
-    stops = stop_strings(_get(body, "stop_sequences", (list,)) or [], "stop_sequences")
+    temperature = typed(body, "temperature", num, lambda t: 0 <= t <= 1, "between 0 and 1")
+    top_p = typed(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
+    top_k = typed(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
+    stops = stop_strings(typed(body, "stop_sequences", (list,)) or [], "stop_sequences")
     template, budget = _thinking(body)
     system = _system(body.get("system"))
     messages = ([{"role": "system", "content": system}] if system else []) + \
-        _messages(_get(body, "messages", (list,)))
+        _messages(typed(body, "messages", (list,)))
     prefill = _prefill(messages)
     if prefill and template["enable_thinking"]:
         raise ApiError("'thinking' and a last assistant message (a prefill) do not go "
@@ -50,7 +51,7 @@ def read(body: dict, defaults: Defaults, count: bool = False) -> Asked:
                    **defaults.engine())
     return Asked("messages", messages, options, template, use, prefill,
                  lambda: constraint_options({}, use), model,         # forced calls' grammar
-                 stream=bool(_get(body, "stream", (bool,))))
+                 stream=bool(typed(body, "stream", (bool,))))
 
 
 def _prefill(messages: list[dict]) -> str:
@@ -69,8 +70,8 @@ def _thinking(body: dict) -> tuple[dict, int | None]:
     budget; ``{"type": "adaptive"}`` turns it on with the budget of ``output_config.effort``
     (fields.EFFORT_BUDGETS; none without an effort); without it (or ``"disabled"``) the
     model does not think, as Anthropic's API."""
-    thinking = _get(body, "thinking", (dict,))
-    config = _get(body, "output_config", (dict,)) or {}
+    thinking = typed(body, "thinking", (dict,))
+    config = typed(body, "output_config", (dict,)) or {}
     extra = sorted(set(config) - {"effort"})
     if extra:
         raise ApiError(f"'output_config.{extra[0]}' is not supported (only 'effort')",
@@ -135,10 +136,11 @@ def _messages(messages) -> list[dict]:
                 continue
             elif kind == "tool_use" and m["role"] == "assistant" \
                     and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict):
-                calls.append({"id": b.get("id"), "type": "function",
+                calls.append({"id": typed(b, "id", (str,), at=at), "type": "function",
                               "function": {"name": b["name"], "arguments": b["input"]}})
             elif kind == "tool_result" and m["role"] == "user":
-                results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                results.append({"role": "tool",
+                                "tool_call_id": typed(b, "tool_use_id", (str,), at=at),
                                 "content": _result_text(b.get("content"), at)})
             else:
                 raise ApiError(f"'{at}': this server reads text, document (text source), "
@@ -178,7 +180,8 @@ def _result_text(content, where: str) -> str:
         return content or ""
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
                                          for b in content):
-        return "".join(b.get("text", "") for b in content)
+        return "".join(typed(b, "text", (str,), at=f"{where}.content.{j}") or ""
+                       for j, b in enumerate(content))
     raise ApiError(f"'{where}.content' must be a string or text blocks", f"{where}.content")
 
 
@@ -188,15 +191,19 @@ def _tools(body: dict) -> ToolUse:
     models know) are not offered to the model; a ``tool_choice`` naming one is a 400.
     ``disable_parallel_tool_use``: one call (by grammar when forced, else the reply ends
     after its first call)."""
-    given = _get(body, "tools", (list,)) or []
+    given = typed(body, "tools", (list,)) or []
     for j, t in enumerate(given):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
                 or not isinstance(t.get("input_schema", {}), dict):
             raise ApiError(f"'tools.{j}' must be {{\"name\": ..., \"input_schema\": {{...}}}}",
                            f"tools.{j}")
+        typed(t, "description", (str,), at=f"tools.{j}")
+        typed(t, "type", (str,), at=f"tools.{j}")
+        tool_parameters(t.get("input_schema"), f"tools.{j}.input_schema")
     defs = [t for t in given if t.get("type") in (None, "custom")]
-    choice = _get(body, "tool_choice", (dict,)) or {"type": "auto"}
-    kind = choice.get("type")
+    choice = typed(body, "tool_choice", (dict,)) or {"type": "auto"}
+    kind = typed(choice, "type", (str,), at="tool_choice")
+    typed(choice, "name", (str,), at="tool_choice")
     if kind == "tool" and choice.get("name") in {t["name"] for t in given} - \
             {t["name"] for t in defs}:
         raise ApiError(f"'tool_choice' names {choice['name']!r}, a tool of Anthropic's that "
@@ -205,7 +212,7 @@ def _tools(body: dict) -> ToolUse:
         if kind not in ("auto", "none"):
             raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
         return ToolUse()
-    single = bool(choice.get("disable_parallel_tool_use"))
+    single = bool(typed(choice, "disable_parallel_tool_use", (bool,), at="tool_choice"))
     openai = [{"type": "function", "function": {"name": t["name"],
                                                 "description": t.get("description", ""),
                                                 "parameters": t.get("input_schema") or {}}}

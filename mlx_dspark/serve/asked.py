@@ -51,13 +51,15 @@ class Defaults:
 @dataclass
 class ToolUse:
     """What a request's tools ask of the reply: the definitions for the template (None: no
-    tools section), the functions to read calls of (None: no calls read) and the text the
-    reply is made to start with (a forced call's opening)."""
+    tools section), the functions to read calls of (None: no calls read), the text the
+    reply is made to start with (a forced call's opening), and the functions whose call
+    ends the reply (custom tools: their input runs to its closing tags, tools.Stream)."""
 
     tools: list | None = None
     functions: dict | None = None
     prefill: str = ""
     parallel: bool = True        # the reply may hold several calls
+    last: frozenset = frozenset()
 
 
 @dataclass

@@ -10,11 +10,14 @@ A field is one of three kinds:
   the harmless values are accepted, any other is a 400 naming the field.
 
 Any other field that is set (not null) is a 400 naming it, so no request is answered as if
-the server had honoured something it did not. Also here: what an effort level
+the server had honoured something it did not. Also here: :func:`typed`, the one reader of a
+typed field at any depth (a wrong type is a 400 naming its JSON path), and what an effort level
 (``reasoning_effort``, ``reasoning.effort``, ``output_config.effort``) means as a thinking
 budget. MLX-free, no HTTP."""
 
 from __future__ import annotations
+
+import json
 
 from .errors import ApiError
 
@@ -89,6 +92,26 @@ REFUSED = {"previous_response_id": _STATELESS, "conversation": _STATELESS,
                      "'input'"}
 
 
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+          list: "an array", dict: "an object"}
+
+
+def typed(obj: dict, name, kinds, check=None, what: str = "", at: str = ""):
+    """``obj[name]`` if present and not null, of one of ``kinds`` (bools are not numbers),
+    else a 400 naming its JSON path: ``at`` (the path of ``obj``; empty: the body) and
+    ``name``. ``check``: what the value must also meet, said by ``what``."""
+    where = f"{at}.{name}" if at else str(name)
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        want = "a number" if float in kinds else " or ".join(_KINDS[k] for k in kinds)
+        raise ApiError(f"'{where}' must be {want}, not {json.dumps(value)[:40]}", where)
+    if check is not None and not check(value):
+        raise ApiError(f"'{where}' must be {what}, not {value}", where)
+    return value
+
+
 def check(body: dict, kind: str):
     """Refuse the first set field of ``body`` that endpoint ``kind`` neither honours nor
     accepts, or that has an output-changing value (a 400 naming it)."""
@@ -124,7 +147,7 @@ def effort_budget(effort, param: str) -> tuple[bool, int | None]:
     """(thinking on?, budget) for an effort level named by ``param``."""
     if effort == "none":
         return False, None
-    if effort not in EFFORT_BUDGETS:
+    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:
         raise ApiError(f"'{param}' must be one of none, {', '.join(EFFORT_BUDGETS)}, not "
-                       f"{effort!r}", param)
+                       f"{json.dumps(effort)[:40]}", param)
     return True, EFFORT_BUDGETS[effort]

@@ -11,10 +11,11 @@ import math
 import time
 import uuid
 
-from ..request import RequestError
+from ..request import REPETITION_PENALTY, RequestError
 from ..text import tools
 from ..text.chat_template import check_template_variables
 from . import fields
+from .fields import typed
 from .answer import Answer, one_call_stops
 from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
@@ -37,7 +38,7 @@ def read(body: dict, kind: str, defaults: Defaults, vocab: int) -> Asked:
     its thinking and closing tag come back as text (the completions shape has no other
     place for them)."""
     fields.check(body, kind)
-    model = _get(body, "model", (str,))
+    model = typed(body, "model", (str,))
     stream, include_usage = stream_flags(body)
     options = sampling_options(body, COMPLETIONS_MAX_TOKENS if kind != "chat" else None,
                                defaults)
@@ -53,21 +54,6 @@ def read(body: dict, kind: str, defaults: Defaults, vocab: int) -> Asked:
     return Asked("messages", messages, options, template, use,
                  constraints=lambda: constraint_options(body, use), model=model,
                  stream=stream, include_usage=include_usage)
-
-
-def _get(body: dict, name: str, kinds, check=None, what: str = ""):
-    """``body[name]`` if present and not null, of one of ``kinds`` (bools are not numbers)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = {int: "an integer", str: "a string", bool: "a boolean", list: "an array",
-                 dict: "an object"}
-        want = "a number" if float in kinds else " or ".join(names[k] for k in kinds)
-        raise ApiError(f"'{name}' must be {want}, not {json.dumps(value)[:40]}", name)
-    if check is not None and not check(value):
-        raise ApiError(f"'{name}' must be {what}, not {value}", name)
-    return value
 
 
 def parse_body(raw: bytes) -> dict:
@@ -121,19 +107,19 @@ def sampling_options(body: dict, default_max_tokens: int | None,
     leaves out takes the server's default (``defaults``: ``serve --temp`` ... or the model's
     generation_config.json, else OpenAI's)."""
     num = (int, float)
-    temperature = _get(body, "temperature", num, lambda t: 0 <= t <= 2 and math.isfinite(t),
+    temperature = typed(body, "temperature", num, lambda t: 0 <= t <= 2 and math.isfinite(t),
                        "between 0 and 2")
-    top_p = _get(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
-    top_k = _get(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
-    seed = _get(body, "seed", (int,), lambda s: 0 <= s < 2**64, "in [0, 2**64)")
+    top_p = typed(body, "top_p", num, lambda p: 0 < p <= 1, "in (0, 1]")
+    top_k = typed(body, "top_k", (int,), lambda k: k >= 0, "0 (off) or more")
+    seed = typed(body, "seed", (int,), lambda s: 0 <= s < 2**64, "in [0, 2**64)")
     max_tokens = None
     for name in ("max_completion_tokens", "max_tokens"):
-        max_tokens = _get(body, name, (int,), lambda n: n >= 1, "at least 1")
+        max_tokens = typed(body, name, (int,), lambda n: n >= 1, "at least 1")
         if max_tokens is not None:
             break
-    stop = _get(body, "stop", (str, list))
+    stop = typed(body, "stop", (str, list))
     stop = stop_strings([stop] if isinstance(stop, str) else stop or [], "stop")
-    n = _get(body, "n", (int,))
+    n = typed(body, "n", (int,))
     if n not in (None, 1):
         raise ApiError("'n' must be 1: this server returns one choice per request", "n")
     return dict(max_tokens=max_tokens or defaults.max_tokens or default_max_tokens,
@@ -150,19 +136,21 @@ def penalty_options(body: dict) -> dict:
     to -100..100), mlx-lm's server's ``repetition_penalty``, ``repetition_context_size`` and
     ``min_p``; each honoured exactly under speculation (docs/sampling.md)."""
     num = (int, float)
+    least, most = REPETITION_PENALTY
     checks = {
         "presence_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "frequency_penalty": (num, lambda v: -2 <= v <= 2, "between -2 and 2"),
-        "repetition_penalty": (num, lambda v: 0 < v < math.inf, "a number > 0 (1 = off)"),
+        "repetition_penalty": (num, lambda v: least <= v <= most,
+                               f"in [{least:g}, {most:g}] (1 = off)"),
         "repetition_context_size": ((int,), lambda v: v >= 1, "at least 1"),
         "min_p": (num, lambda v: 0 <= v <= 1, "in [0, 1]"),
     }
     out = {}
     for name, (kinds, check, what) in checks.items():
-        value = _get(body, name, kinds, check, what)
+        value = typed(body, name, kinds, check, what)
         if value is not None:
             out[name] = value
-    bias = _get(body, "logit_bias", (dict,))
+    bias = typed(body, "logit_bias", (dict,))
     if bias:
         out["logit_bias"] = token_biases(bias)
     return out
@@ -218,7 +206,7 @@ def constraint_options(body: dict, use: ToolUse) -> dict:
     (grammar.tool_calls), so that the call is well formed and its arguments typed."""
     from ..decode import grammar
     from ..request import RequestError
-    response_format = _get(body, "response_format", (dict,))
+    response_format = typed(body, "response_format", (dict,))
     if not use.prefill:
         return {"response_format": response_format} if response_format else {}
     if response_format and response_format.get("type") != "text":
@@ -235,7 +223,7 @@ def chat_messages(body: dict) -> list[dict]:
     """The messages as the chat template takes them: roles (``developer`` is ``system``),
     text content, an assistant's ``tool_calls`` with their arguments as objects, a tool
     result's ``tool_call_id``."""
-    messages = _get(body, "messages", (list,))
+    messages = typed(body, "messages", (list,))
     if not messages:
         raise ApiError("'messages' must be a non-empty array of messages", "messages")
     out = []
@@ -286,14 +274,15 @@ def tool_use(body: dict) -> ToolUse:
     and the rest is held to well-formed calls by grammar (:func:`constraint_options`).
     ``parallel_tool_calls: false``: a forced reply's grammar allows one call; on "auto" the
     reply ends after its first complete call (answer.one_call_stops)."""
-    defs = _get(body, "tools", (list,))
+    defs = typed(body, "tools", (list,))
     for j, t in enumerate(defs or []):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
-                or not isinstance(f.get("parameters", {}), (dict, type(None))):
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise ApiError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
                            f"{{\"name\": ..., \"parameters\": {{...}}}}}}", f"tools[{j}]")
-    parallel = _get(body, "parallel_tool_calls", (bool,)) is not False
+        typed(f, "description", (str,), at=f"tools[{j}].function")
+        tool_parameters(f.get("parameters"), f"tools[{j}].function.parameters")
+    parallel = typed(body, "parallel_tool_calls", (bool,)) is not False
     choice = body.get("tool_choice")
     choice = "auto" if choice is None else choice
     names = tools.schemas(defs)
@@ -305,9 +294,9 @@ def tool_use(body: dict) -> ToolUse:
         return ToolUse(defs, names, parallel=parallel)
     if choice == "required":
         return ToolUse(defs, names, tools.START + "\n", parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
-        and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
-        else None
+    name = typed(choice["function"], "name", (str,), at="tool_choice.function") \
+        if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
     if name is None:
         raise ApiError("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
@@ -317,24 +306,49 @@ def tool_use(body: dict) -> ToolUse:
     return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel)
 
 
+def tool_parameters(schema, where: str) -> dict:
+    """A tool's parameters, as the chat template renders them, checked (``where``: their
+    JSON path): a JSON schema object whose ``properties``, if any, are objects and whose
+    ``required``, if any, is an array of names."""
+    if schema is None:
+        return {}
+    if not isinstance(schema, dict):
+        raise ApiError(f"'{where}' must be a JSON schema (an object)", where)
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict):       # null too: the template reads it as given
+        raise ApiError(f"'{where}.properties' must be an object", f"{where}.properties")
+    for name, spec in properties.items():
+        at = f"{where}.properties.{name}"
+        if not isinstance(spec, dict):
+            raise ApiError(f"'{at}' must be a JSON schema (an object)", at)
+        kinds = spec.get("type")
+        if kinds is not None and not isinstance(kinds, str) and not (
+                isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+            raise ApiError(f"'{at}.type' must be a type name or an array of them", f"{at}.type")
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ApiError(f"'{where}.required' must be an array of parameter names, not "
+                       f"{json.dumps(required)[:60]}", f"{where}.required")
+    return schema
+
+
 def thinking_options(body: dict, defaults: dict) -> tuple[dict, int | None]:
     """Chat template variables (the server's ``--chat-template-args``, then the request's
     ``chat_template_kwargs``; ``reasoning_effort: "none"`` turns thinking off, another level
     turns it on) and the thinking budget (``thinking_token_budget``, else the effort's,
     fields.EFFORT_BUDGETS)."""
     options = dict(defaults)
-    variables = _get(body, "chat_template_kwargs", (dict,)) or {}
+    variables = typed(body, "chat_template_kwargs", (dict,)) or {}
     try:
         check_template_variables(variables)
     except RequestError as e:
         raise ApiError(str(e), e.param) from None
     options.update(variables)
-    effort = _get(body, "reasoning_effort", (str,))
+    effort = typed(body, "reasoning_effort", (str,))
     budget = None
     if effort is not None:      # an effort level: thinking on with its budget, or off
         on, budget = fields.effort_budget(effort, "reasoning_effort")
         options["enable_thinking"] = on
-    given = _get(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
+    given = typed(body, "thinking_token_budget", (int,), lambda n: n >= 0, "0 or more")
     return options, given if given is not None else budget
 
 
@@ -343,9 +357,9 @@ def logprobs_request(body: dict, kind: str) -> int | None:
     logprobs). Chat: ``logprobs: true`` and ``top_logprobs`` 0..20; completions:
     ``logprobs`` 0..5."""
     if kind != "chat":
-        return _get(body, "logprobs", (int,), lambda n: 0 <= n <= 5, "in [0, 5]")
-    on = _get(body, "logprobs", (bool,))
-    top = _get(body, "top_logprobs", (int,), lambda n: 0 <= n <= MAX_TOP_LOGPROBS,
+        return typed(body, "logprobs", (int,), lambda n: 0 <= n <= 5, "in [0, 5]")
+    on = typed(body, "logprobs", (bool,))
+    top = typed(body, "top_logprobs", (int,), lambda n: 0 <= n <= MAX_TOP_LOGPROBS,
                f"in [0, {MAX_TOP_LOGPROBS}]")
     if top is not None and not on:
         raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -382,8 +396,8 @@ def model_object(model_id: str, context: int | None = None) -> dict:
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = bool(_get(body, "stream", (bool,)))
-    opts = _get(body, "stream_options", (dict,)) or {}
+    stream = bool(typed(body, "stream", (bool,)))
+    opts = typed(body, "stream_options", (dict,)) or {}
     usage = opts.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
         raise ApiError("'stream_options.include_usage' must be a boolean",

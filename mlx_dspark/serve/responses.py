@@ -15,14 +15,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..decode import tool_grammar
+from ..decode import grammar, tool_grammar
 from ..request import RequestError
 from ..text import tools
 from . import fields
 from .answer import Answer, one_call_stops
 from .asked import Asked, Defaults, ToolUse
 from .errors import ApiError
-from .openai import _get, constraint_options, sampling_options
+from .fields import typed
+from .openai import constraint_options, sampling_options, tool_parameters
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -54,18 +55,20 @@ class ResponsesAsked(Asked):
 
 def read(body: dict, defaults: Defaults) -> ResponsesAsked:
     """A /v1/responses body checked and read, the server's ``defaults`` merged in."""
-    model = _get(body, "model", (str,))
+    model = typed(body, "model", (str,))
     fields.check(body, "responses")
-    limit = _get(body, "max_output_tokens", (int,), lambda n: n >= 1, "at least 1")
+    limit = typed(body, "max_output_tokens", (int,), lambda n: n >= 1, "at least 1")
     options = sampling_options({**{k: body.get(k) for k in ("temperature", "top_p", "top_k",
                                                              "seed")}, "max_tokens": limit},
                                None, defaults)
     template, budget = _reasoning(body, defaults.chat_template_kwargs)
-    for name in _get(body, "include", (list,)) or []:
+    for j, name in enumerate(typed(body, "include", (list,)) or []):
+        if not isinstance(name, str):
+            raise ApiError(f"'include[{j}]' must be a string", f"include[{j}]")
         if name in INCLUDES_REFUSED:
             raise ApiError(f"'include' {name!r} is not supported", "include",
                            "unsupported_parameter")
-    instructions = _get(body, "instructions", (str,))
+    instructions = typed(body, "instructions", (str,))
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
         _input(body.get("input"))
     use, customs = _tools(body)
@@ -74,7 +77,7 @@ def read(body: dict, defaults: Defaults) -> ResponsesAsked:
                    **defaults.engine())
     return ResponsesAsked("input", messages, options, template, use,
                           constraints=lambda: _constraint(body, use, customs), model=model,
-                          stream=bool(_get(body, "stream", (bool,))),
+                          stream=bool(typed(body, "stream", (bool,))),
                           customs={c.name for c in customs}, echo=echo)
 
 
@@ -82,8 +85,8 @@ def _reasoning(body: dict, template_defaults: dict) -> tuple[dict, int | None]:
     """``reasoning.effort`` as thinking on or off and a budget (fields.EFFORT_BUDGETS);
     ``summary`` is accepted (the thinking itself comes back as reasoning text)."""
     template = dict(template_defaults)
-    reasoning = _get(body, "reasoning", (dict,)) or {}
-    effort = reasoning.get("effort")
+    reasoning = typed(body, "reasoning", (dict,)) or {}
+    effort = typed(reasoning, "effort", (str,), at="reasoning")
     if effort is None:
         return template, None
     template["enable_thinking"], budget = fields.effort_budget(effort, "reasoning.effort")
@@ -101,9 +104,12 @@ def _input(items) -> list[dict]:
     out = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if not isinstance(item, dict):
+            raise ApiError(f"'{where}' must be an input item (an object), not "
+                           f"{json.dumps(item)[:40]}", where)
+        kind = typed(item, "type", (str,), at=where) or "message"
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = ROLES.get(typed(item, "role", (str,), at=where))
             if role is None:
                 raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}",
                                f"{where}.role")
@@ -112,17 +118,17 @@ def _input(items) -> list[dict]:
         elif kind in CALLS:
             if not isinstance(item.get("name"), str):
                 raise ApiError(f"'{where}.name' must be a string", f"{where}.name")
-            args = item.get(CALLS[kind])
-            call = {"id": item.get("call_id"), "type": "function", "function": {
-                "name": item["name"],
-                "arguments": _arguments(args, f"{where}.arguments") if kind == "function_call"
-                else {tool_grammar.PARAM: args if isinstance(args, str) else ""}}}
+            call = {"id": typed(item, "call_id", (str,), at=where), "type": "function",
+                    "function": {"name": item["name"], "arguments": _arguments(
+                        item.get("arguments"), f"{where}.arguments")
+                        if kind == "function_call" else
+                        {tool_grammar.PARAM: typed(item, "input", (str,), at=where) or ""}}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind in RESULTS:
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            out.append({"role": "tool", "tool_call_id": typed(item, "call_id", (str,), at=where),
                         "content": _text(item.get("output"), f"{where}.output")})
         elif kind not in DROPPED:
             what = "this server is stateless: send the items themselves" \
@@ -134,11 +140,18 @@ def _input(items) -> list[dict]:
 def _text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                         for p in content):
-        return "".join(p.get("text") or p.get("refusal") or "" for p in content)
-    raise ApiError(f"'{where}' must be a string or text parts (input_text, output_text); "
-                   f"this model reads text only", where)
+    if not isinstance(content, list):
+        raise ApiError(f"'{where}' must be a string or text parts (input_text, output_text); "
+                       f"this model reads text only", where)
+    out = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            raise ApiError(f"'{at}' must be a text part (input_text, output_text); this "
+                           f"model reads text only", at)
+        out.append(typed(part, "text", (str,), at=at) or
+                   typed(part, "refusal", (str,), at=at) or "")
+    return "".join(out)
 
 
 def _arguments(args, where: str) -> dict:
@@ -155,24 +168,30 @@ def _tools(body: dict) -> tuple[ToolUse, list]:
     """``tools`` and ``tool_choice`` as the chat template's tools and the reply's calls;
     the custom tools apart (their grammars). Hosted tools are not offered; a
     ``tool_choice`` that names one is a 400."""
-    given = _get(body, "tools", (list,)) or []
+    given = typed(body, "tools", (list,)) or []
     defs, customs = [], []
     for j, t in enumerate(given):
-        kind = t.get("type") if isinstance(t, dict) else None
-        if kind in ("function", "custom") and not isinstance(t.get("name"), str):
-            raise ApiError(f"'tools[{j}].name' must be a string", f"tools[{j}].name")
+        if not isinstance(t, dict):
+            raise ApiError(f"'tools[{j}]' must be a tool (an object)", f"tools[{j}]")
+        kind = typed(t, "type", (str,), at=f"tools[{j}]")
+        if kind in ("function", "custom"):
+            if not isinstance(t.get("name"), str):
+                raise ApiError(f"'tools[{j}].name' must be a string", f"tools[{j}].name")
+            description = typed(t, "description", (str,), at=f"tools[{j}]") or ""
         if kind == "function":
             defs.append({"type": "function", "function": {
-                "name": t["name"], "description": t.get("description") or "",
-                "parameters": t.get("parameters") or {}}})
+                "name": t["name"], "description": description,
+                "parameters": tool_parameters(t.get("parameters"), f"tools[{j}].parameters")}})
         elif kind == "custom":
             custom = _custom(t, f"tools[{j}]")
             customs.append(custom)
-            defs.append(custom.function(t.get("description") or ""))
-    parallel = _get(body, "parallel_tool_calls", (bool,)) is not False
-    choice = body.get("tool_choice") or "auto"
+            defs.append(custom.function(description))
+    parallel = typed(body, "parallel_tool_calls", (bool,)) is not False
+    choice = typed(body, "tool_choice", (str, dict)) or "auto"
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
+        listed = typed(choice, "tools", (list,), at="tool_choice") or []
+        allowed = {typed(t, "name", (str,), at=f"tool_choice.tools[{j}]")
+                   for j, t in enumerate(listed) if isinstance(t, dict)}
         defs = [d for d in defs if d["function"]["name"] in allowed]
         customs = [c for c in customs if c.name in allowed]
         choice = "required" if choice.get("mode") == "required" else "auto"
@@ -182,17 +201,19 @@ def _tools(body: dict) -> tuple[ToolUse, list]:
             raise ApiError("'tool_choice' needs 'tools' this server offers (function or "
                            "custom)", "tool_choice")
         return ToolUse(), []
+    last = frozenset(c.name for c in customs)
     if choice == "auto":
-        return ToolUse(defs, names, parallel=parallel), customs
+        return ToolUse(defs, names, parallel=parallel, last=last), customs
     if choice == "required":
-        return ToolUse(defs, names, tools.START + "\n", parallel), customs
+        return ToolUse(defs, names, tools.START + "\n", parallel, last), customs
     name = choice.get("name") if isinstance(choice, dict) \
         and choice.get("type") in ("function", "custom") else None
     if name not in names:
         raise ApiError("'tool_choice' must be auto, none, required, allowed_tools, or a "
                        "function or custom tool among 'tools' (hosted tools are not "
                        "offered)", "tool_choice")
-    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel), customs
+    return ToolUse(defs, names, f"{tools.START}\n<function={name}>\n", parallel, last), \
+        customs
 
 
 def _custom(tool: dict, where: str) -> tool_grammar.Custom:
@@ -214,16 +235,23 @@ def _custom(tool: dict, where: str) -> tool_grammar.Custom:
 def _constraint(body: dict, use: ToolUse, customs: list) -> dict:
     """The grammar keywords: a custom tool's grammar in its calls (decode/tool_grammar.py),
     a forced call's as chat's, or ``text.format`` (json_object, json_schema)."""
-    fmt = (_get(body, "text", (dict,)) or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict):
-        raise ApiError("'text.format' must be an object", "text.format")
-    response_format = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}} \
-        if fmt.get("type") == "json_schema" else fmt
+    fmt = typed(typed(body, "text", (dict,)) or {}, "format", (dict,), at="text") \
+        or {"type": "text"}
+    kind = typed(fmt, "type", (str,), at="text.format")
+    if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise ApiError("'text.format.schema' must be a JSON schema (an object)",
+                       "text.format.schema")
+    if kind != "text" and (customs or use.prefill):
+        raise ApiError(f"'text.format' and {'custom tools' if customs else 'a forced call'} "
+                       f"cannot both constrain the answer", "text.format")
     if not customs:
-        return constraint_options({"response_format": response_format}, use)
-    if response_format.get("type") != "text":
-        raise ApiError("'text.format' and custom tools cannot both constrain the answer",
-                       "text.format")
+        try:        # a grammar refusal names the field it came in
+            chosen = grammar.response_format(
+                {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
+                if kind == "json_schema" else fmt)
+        except RequestError as e:
+            raise ApiError(str(e), "text.format") from None
+        return {"grammar": chosen} if chosen is not None else constraint_options({}, use)
     functions = [d for d in use.tools if d["function"]["name"] not in {c.name for c in customs}]
     try:
         return {"grammar": tool_grammar.calls(functions, customs, use.prefill or None,

@@ -26,7 +26,8 @@ from . import anthropic, errors, openai, relay, responses
 from .asked import Asked, Defaults
 from .engine import Engine, Job
 from .errors import ApiError, ContextExceeded
-from .openai import _get, model_object, parse_body, text_chars
+from .fields import typed
+from .openai import model_object, parse_body, text_chars
 
 UNLIMITED = 1 << 31     # max_tokens of a chat request to a model that declares no limit
 ENCODERS = 2            # prompts tokenized at once (each takes memory in proportion to its text)
@@ -147,7 +148,7 @@ def cache_space(request: Request, body: dict) -> str:
     """Whose snapshots a request may continue from: those of requests with the same API key
     and the same ``cache_salt`` (vLLM's field), so a cached prefix is never shared across
     users (and ``cached_tokens`` tells nobody about another user's prompt)."""
-    salt = _get(body, "cache_salt", (str,))
+    salt = typed(body, "cache_salt", (str,))
     if salt is not None and not salt:
         raise ApiError("'cache_salt' must be a non-empty string", "cache_salt")
     key = request.headers.get("x-api-key") or \

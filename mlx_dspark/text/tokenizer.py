@@ -57,10 +57,14 @@ def prompt_ids(tokenizer, prompt, chat: bool = False, options: dict | None = Non
     ``options`` (template variables such as ``enable_thinking``, never tokenizer arguments)
     passed to it, its rendering bounded in time (text/chat_template.py)."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
+        what = f"{getattr(prompt, 'dtype', '?')} of shape {tuple(getattr(prompt, 'shape', ()))}"
         prompt = prompt.tolist()         # an mx.array or NumPy array of ids, as mlx-lm takes
         prompt = prompt if isinstance(prompt, list) else [prompt]
         if len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]           # a batch of one, [1, T]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("prompt", f"an array prompt holds token ids, one row of "
+                                         f"integers; this one is {what}")
     if not prompt:
         raise RequestError("prompt", "empty prompt: give some text or at least one token id")
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)

@@ -15,7 +15,12 @@ same blocks in streamed text; both give the same calls and the same remaining te
 arguments become a JSON object typed by the function's JSON schema (an ``integer`` parameter
 ``3`` is the number 3, an ``object`` is parsed as JSON). A block that is not a well-formed call
 of a declared function with values of the declared types is left in the text, as written: a
-wrong call reaches the client as text, never as an error."""
+wrong call reaches the client as text, never as an error.
+
+A call to one of the ``last`` functions (the Responses API's custom tools) ends the reply: its
+one parameter is everything from its opening to the closing tags the answer ends with, markup
+included, since a tool's own grammar may write ``</parameter>`` or ``<tool_call>`` in it
+(decode/tool_grammar.py holds such a call to the reply's end)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from .reasoning import partial_tag
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.S)
+_HEAD = re.compile(r"\s*<function=([^>\n]+)>\n")
+_LAST = re.compile(r"\s*<function=([^>\n]+)>\n<parameter=([^>\n]+)>\n(.*)\n</parameter>\n"
+                   r"</function>\n" + END + r"\s*", re.S)
 
 
 class WrongCall(ValueError):
@@ -136,10 +144,12 @@ def parse(text: str, functions: dict[str, dict]) -> tuple[str, list[Call]]:
 class Stream:
     """Streamed answer text -> pieces in order: text (str) and calls (:class:`Call`). Holds
     back what could still be the start of ``<tool_call>``, a block until its
-    ``</tool_call>``, and whitespace that a following call would drop."""
+    ``</tool_call>`` (a call to one of the ``last`` functions until the answer ends), and
+    whitespace that a following call would drop."""
 
-    def __init__(self, functions: dict[str, dict]):
-        self.functions = functions
+    def __init__(self, functions: dict[str, dict], last=frozenset()):
+        self.functions, self.last = functions, last
+        self.to_end = False       # the open block is a call to one of ``last``
         self.buffer = ""        # text not yet given out
         self.in_call = False
         self.gap = ""             # whitespace before the open block (kept if it is no call)
@@ -150,6 +160,10 @@ class Stream:
         out = []
         while True:
             if self.in_call:
+                head = _HEAD.match(self.buffer)
+                self.to_end = self.to_end or head is not None and head.group(1) in self.last
+                if self.to_end:
+                    return [p for p in out if p]
                 at = self.buffer.find(END)
                 if at < 0:
                     return [p for p in out if p]
@@ -180,12 +194,16 @@ class Stream:
         """The rest at the end of the answer: an unfinished block is text, unless the answer
         was ``cut`` off (by a token limit): then the block it was cut in, or the start of
         one, is dropped, never shown as text."""
+        last = _LAST.fullmatch(self.buffer) if self.to_end and not cut else None
+        if last is not None and last.group(1) in self.last:
+            self.buffer, self.in_call, self.to_end = "", False, False
+            return [Call(last.group(1), {last.group(2): last.group(3)})]
         if cut:
             rest = "" if self.in_call else \
                 self.buffer[:len(self.buffer) - partial_tag(self.buffer, START)]
         else:
             rest = (self.gap + START if self.in_call else "") + self.buffer
-        self.buffer, self.in_call = "", False
+        self.buffer, self.in_call, self.to_end = "", False, False
         text = self._text(rest)
         return [text] if text else []
 
