@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..converter.layout import weight_files
 from ..converter.mlx_layouts import Format, dense_precision, mlx_layout
+from ..converter.omni import renamer, text_config, wrapper_name
 from .integrity import CheckpointError
 
 QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
@@ -50,7 +51,10 @@ def read_target_config(path) -> dict:
 
 
 def check_target_config(raw: dict, path) -> dict:
-    """``raw`` when it configures a Nemotron-H target, else ValueError in one line."""
+    """``raw`` when it configures a Nemotron-H target (an Omni / VL wrapper: its text tower's
+    config, converter/omni.py), else ValueError in one line."""
+    if wrapper_name(raw) is not None:
+        raw = text_config(raw, path)
     archs = raw.get("architectures") or []
     kind = raw.get("model_type")
     if "dflash_config" in raw or any("DSpark" in str(a) or "DFlash" in str(a) for a in archs):
@@ -117,14 +121,17 @@ def _refuse_foreign_files(path: Path) -> None:
 
 
 def _tensor_dtypes(path: Path) -> dict:
-    """name -> safetensors dtype over the directory's weight files (headers only)."""
+    """name -> safetensors dtype over the directory's weight files (headers only); an Omni
+    wrapper's text tower alone, under its plain names."""
     from ..converter.errors import ConversionError
     from ..converter.safetensors_io import read_header
 
-    tensors = {}
+    tensors, rename = {}, renamer(path)
     try:
         for f in weight_files(str(path)):
-            tensors.update({n: t.dtype for n, t in read_header(Path(f)).items()})
+            for n, t in read_header(Path(f)).items():
+                if rename(n) is not None:
+                    tensors[rename(n)] = t.dtype
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     return tensors

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..converter.layout import mtp_pattern
+from ..converter.omni import renamer, text_config, wrapper_name
 from ..device import accumulation_dtype, on_gpu
 from .integrity import checkpoint_files
 
@@ -58,9 +59,10 @@ def weight_bytes(path, dtype, mtp: bool = False) -> tuple[int, int]:
 
     compute = mx.finfo(dtype).bits // 8
     decoded = mx.finfo(accumulation_dtype(dtype)).bits // 8     # FP8 in a float16 model: fp32
-    infos = {}
+    infos, rename = {}, renamer(path)
     for f in checkpoint_files(path):      # what the load will read; the path is no pattern
-        infos.update(read_header(Path(f)))
+        infos.update({rename(n): t for n, t in read_header(Path(f)).items()
+                      if rename(n) is not None})        # an Omni wrapper's media: not read
     total = largest = 0
     for name, t in infos.items():
         if name.startswith("mtp.") and not mtp:
@@ -101,8 +103,9 @@ def drafter_cache_bytes(config: dict, context: int, dtype) -> int:
 def _config(path) -> dict:
     try:
         with open(os.path.join(str(path), "config.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            config = json.load(f)
+        return text_config(config, path) if wrapper_name(config) else config
+    except (OSError, ValueError, AttributeError):
         return {}     # the loader reports a missing or broken config with its own message
 
 

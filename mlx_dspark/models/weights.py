@@ -15,19 +15,25 @@ from mlx.utils import tree_flatten
 
 from ..checkpoint.integrity import CheckpointError, checkpoint_files
 from ..converter.layout import GROUP_SIZE
+from ..converter.omni import renamer
 from .quant import DenseExperts, ScaledLinear
 
 
 def read_weights(path: str) -> tuple[dict, dict]:
     """All tensors of the checkpoint's weight files (integrity.checkpoint_files), and which file
-    each came from. A tensor in two files is refused: a stray copy never overrides another."""
-    weights, origin = {}, {}
+    each came from. A tensor in two files is refused: a stray copy never overrides another.
+    An Omni wrapper gives its text tower under the plain names; its media tensors are left
+    unread (``mx.load`` reads a tensor only when it is evaluated)."""
+    weights, origin, rename = {}, {}, renamer(path)
     for f in checkpoint_files(path):
         try:
             shard = mx.load(f)
         except Exception as e:  # MLX reports truncated/corrupt files with various types
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
         for k, v in shard.items():
+            k = rename(k)
+            if k is None:
+                continue
             if k in origin:
                 raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
             weights[k] = v
@@ -124,10 +130,11 @@ def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
     parameter names, ``prefix`` removed) with what ``drafter`` holds; raise on any mismatch
     or when nothing was comparable. Returns the report ``"k/k tensors match"``. A model that
     borrows its embedding has a ``shared_embedding()`` method returning the borrowed table."""
-    stored = {}
+    stored, rename = {}, renamer(path)
     for f in checkpoint_files(path):
         for name, (st_dtype, arr) in read_raw_safetensors(f).items():
-            if name.startswith(prefix):
+            name = rename(name)
+            if name is not None and name.startswith(prefix):
                 stored[name[len(prefix):]] = (f, st_dtype, arr)
     stored = _stacked(stored)
     params = dict(tree_flatten(drafter.parameters()))
