@@ -164,7 +164,7 @@ class Result:
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
          memory_check: bool = True, warm: bool = True,
          prompt_cache_dir=None, prompt_cache_disk_gb: float = 10.0,
-         prompt_cache_mb: int = 1024) -> Pair:
+         prompt_cache_mb: int = 1024, allowed_local_media_path=None) -> Pair:
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
@@ -192,12 +192,17 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     prompts (message ends, every few thousand tokens, ends of prompts and answers), kept in
     memory (``prompt_cache_mb``) and in this directory (``prompt_cache_disk_gb``, least
     recently used first out), so a long shared prefix is prefilled once, across restarts
-    (docs/prompt-cache.md)."""
+    (docs/prompt-cache.md).
+
+    A Nemotron Omni parent with the ``omni`` extra installed takes images and audio as
+    message content parts (docs/formats.md); ``allowed_local_media_path``: the directory
+    whose files ``file://`` image URLs may name (none by default)."""
     from .checkpoint import hub, pairing
     from .checkpoint.formats import convert_first, detect_dir
     from .checkpoint.memory import check_download, check_fits
     from .checkpoint.recorded import recorded_hash
     from .drafters import DEFAULT_DEMO, load_drafter, locate, of_target
+    from .media import omni as media
     from .models.nemotron_h import compute_dtype, load_target, read_target_config
     from .prompt_cache.disk import receipt_hash
 
@@ -233,6 +238,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 receipts=(own, f"{drafter}:{own}" if of_target(drafter)
                           else receipt_hash(drafter)))
     pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
+    media.attach(pair, allowed_local_media_path)
     if prompt_cache_dir is not None:
         from .prompt_cache.cache import PromptCache
         from .prompt_cache.disk import open_store

@@ -152,6 +152,32 @@ def check_fits(model, drafter=None, dtype=mx.float32, context: int = DEFAULT_CON
         f"memory_check=False (--no-memory-check) loads anyway")
 
 
+def media_bytes(path, dtype) -> int:
+    """Bytes an Omni parent's vision and audio towers take once media arrive (their tensors
+    as stored, float ones at least ``dtype``'s width): what a text-only load leaves out."""
+    from ..converter.safetensors_io import ITEMSIZE, read_header
+
+    rename, total = renamer(path), 0
+    compute = mx.finfo(dtype).bits // 8
+    for f in sorted(Path(path).glob("*.safetensors")):
+        if f.name.startswith(("model", "media")):
+            total += sum(t.numel * (max(ITEMSIZE[t.dtype], compute) if t.dtype in
+                                    ("BF16", "F16", "F32") else ITEMSIZE[t.dtype])
+                         for n, t in read_header(f).items() if rename(n) is None)
+    return total
+
+
+def check_media_fits(path, dtype) -> None:
+    """Raise :class:`InsufficientMemory` when the media towers will not fit beside what is
+    already loaded (asked before their first use)."""
+    need = media_bytes(path, dtype)
+    have, where = available_memory()
+    if need > have:
+        raise InsufficientMemory(f"{path}: its vision and audio towers need about "
+                                 f"{need / GB:.1f} GB but {where} is {have / GB:.1f} GB; "
+                                 f"free memory, or send text only")
+
+
 def check_download(nbytes: int, name: str) -> None:
     """Before a repo is downloaded: refuse one whose weights alone (its safetensors index's
     total size) exceed what the device can give."""

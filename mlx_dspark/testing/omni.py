@@ -78,3 +78,119 @@ def wrap(src, out, spelling: str = "NemotronH_Nano_VL_V2", key: str = "llm_confi
         if (src / n).is_file():
             shutil.copy(src / n, out / n)
     return out
+
+
+# ------------------------------------------------------------------ with the omni extra
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<image>",
+            "<img>", "</img>", "<so_embedding>", "<so_start>", "<so_end>", "<video>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_tokenizer(out: Path) -> int:
+    """A character-level tokenizer with the Omni placeholders as special tokens and a chat
+    template, written to ``out``; returns its size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return len(vocab)
+
+
+def tiny_omni_config(vocab: int) -> dict:
+    """An Omni parent's config.json at toy size (RADIO and Parakeet towers of one block)."""
+    from .toy import tiny_config
+
+    text = tiny_config("M*EME", vocab_size=vocab, num_hidden_layers=5,
+                       architectures=["NemotronHForCausalLM"], time_step_limit=[0.0, 1e9])
+    return {
+        "architectures": ["NemotronH_Nano_Omni_Reasoning_V3"],
+        "model_type": "NemotronH_Nano_Omni_Reasoning_V3", "llm_config": text,
+        "vision_config": {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "intermediate_size": 64, "patch_size": 16,
+                          "image_size": 64, "max_resolution": 128,
+                          "args": {"register_multiple": 4}},
+        "sound_config": {"model_type": "parakeet", "hidden_size": 32, "num_attention_heads": 2,
+                         "num_hidden_layers": 1, "intermediate_size": 64,
+                         "subsampling_conv_channels": 8, "num_mel_bins": 16,
+                         "projection_hidden_size": 48, "conv_kernel_size": 3},
+        "downsample_ratio": 0.5, "ps_version": "v2", "projector_hidden_size": 48,
+        "vit_hidden_size": 32, "img_context_token_id": SPECIALS.index("<image>"),
+        "sound_context_token_id": SPECIALS.index("<so_embedding>"),
+        "video_context_token_id": SPECIALS.index("<video>"),
+        "eos_token_id": SPECIALS.index("</s>")}
+
+
+PREPROCESSOR = {"norm_mean": [0.48, 0.46, 0.41], "norm_std": [0.27, 0.26, 0.28],
+                "patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": 4,
+                "max_num_patches": 64, "max_model_len": 4096}
+
+
+def hf_names(model) -> dict:
+    """mlx-vlm's Omni parameters under the parent's Hugging Face names (inverse of its
+    ``sanitize``): the text tower as mlx_dspark.testing.toy writes it, the projector as
+    ``mlp1.{0,1,3}``, the audio convolutions in PyTorch's layout beside a feature-extractor
+    buffer (which is how mlx-vlm tells that layout)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .toy import hf_weights_from_mlx_lm
+
+    out = {f"language_model.{k}": v
+           for k, v in hf_weights_from_mlx_lm(model.language_model).items()}
+    for k, v in tree_flatten(model.parameters()):
+        if k.startswith("language_model."):
+            continue
+        if k.startswith("mlp1.layers."):
+            k = "mlp1." + k[len("mlp1.layers."):]
+        elif k.startswith("sound_encoder.encoder.") and k.endswith(".weight") and v.ndim == 3:
+            v = v.transpose(0, 2, 1)
+        elif k.startswith("sound_encoder.encoder.") and k.endswith(".weight") and v.ndim == 4:
+            v = v.transpose(0, 3, 1, 2)
+        out[k] = v
+    out["sound_encoder.encoder.feature_extractor.featurizer.window"] = mx.ones((16,))
+    return out
+
+
+def tiny_omni(out, seed: int = 0):
+    """A tiny random Nano Omni checkpoint made with mlx-vlm's own model class (every
+    parameter drawn at random) and saved in the Hugging Face layout (float32 weights, the
+    tokenizer, the image processor's config); returns ``(out, the mlx-vlm model)``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.nemotron_h_nano_omni import Model, ModelConfig
+
+    out = Path(out)
+    out.mkdir(parents=True)
+    config = tiny_omni_config(tiny_tokenizer(out))
+    model = Model(ModelConfig.from_dict(json.loads(json.dumps(config))))
+    mx.random.seed(seed)
+    params = []
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith("A_log"):
+            v = mx.log(mx.random.uniform(1.0, 16.0, v.shape))
+        elif k.endswith(("running_var", "norm.weight", "norm_f.weight")) or ".norm" in k \
+                and k.endswith(".weight"):
+            v = 1.0 + 0.1 * mx.random.normal(v.shape)
+        elif k.endswith("running_mean") or v.ndim < 2:
+            v = 0.1 * mx.random.normal(v.shape)
+        else:
+            v = mx.random.normal(v.shape) * v.shape[-1] ** -0.5
+        params.append((k, v))
+    model.load_weights(params)
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), hf_names(model),
+                        metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    return out, model

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..open_files import import_mlx_lm
+from ..media.parts import MediaError, first_media, has_media, split, why_no_media
 from ..request import RequestError
 from . import reasoning
 from .chat_template import render
@@ -120,8 +121,15 @@ def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[in
     an ``enable_thinking`` option, mlx-lm's wrapper turns thinking on when the vocabulary has
     a ``<think>`` token (Nemotron's does; the demo pair's spells it in pieces, so its chats
     think only when asked)."""
+    if not has_media(messages):
+        text = render(tokenizer, messages, options)
+        return _encode(tokenizer, text), text
+    encoder = getattr(tokenizer, "media", None)
+    if encoder is None:
+        raise MediaError(first_media(messages), why_no_media())
+    messages, media = split(messages, encoder.allowed)
     text = render(tokenizer, messages, options)
-    return _encode(tokenizer, text), text
+    return encoder.expand(_encode(tokenizer, text), media), text
 
 
 def _encode(tokenizer, text: str) -> list[int]:

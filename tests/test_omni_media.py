@@ -1,0 +1,250 @@
+"""Images and audio into a Nemotron Omni parent through mlx-vlm (issue 40.2). The oracle is
+mlx-vlm's own Omni forward on a tiny random checkpoint built with mlx-vlm's model class and
+saved in the Hugging Face layout (mlx_dspark/testing/omni.py): the same prompt ids, next-token
+log-probabilities within 1e-3, the same greedy tokens. Speculation stays exact after a media
+prompt; the prompt cache reuses a prompt through the same image and nothing from a different
+one on; bad media are refused naming the part. Skipped without the ``omni`` extra, except the
+refusal of media parts by a pair that has no media path (which holds without it too)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dspark as md
+from mlx_dspark.api import DEMO
+from mlx_dspark.media import parts
+from mlx_dspark.media.parts import MediaError
+from mlx_dspark.models.media_rows import step_input, text_ids
+from mlx_dspark.text.tokenizer import prompt_ids
+
+
+def png(w=100, h=70, seed=0) -> bytes:
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG whose header declares ``w`` x ``h`` pixels (and holds almost none)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def wav(seconds: float, rate=16000, seed=0) -> bytes:
+    samples = (np.random.default_rng(seed).standard_normal(int(seconds * rate)) * 3000)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def audio_part(data: bytes, fmt="wav") -> dict:
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def user(*content) -> list[dict]:
+    return [{"role": "user", "content": list(content)}]
+
+
+def test_a_media_part_to_a_model_without_a_media_path_is_refused_naming_it(monkeypatch):
+    pair = md.load(str(DEMO / "target"), "none", warm=False)
+    messages = [{"role": "system", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "see"},
+                                             {"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(MediaError) as e:
+        prompt_ids(pair.tokenizer, messages, True)
+    assert e.value.param == "messages[1].content[1]"
+    monkeypatch.setattr(parts.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MediaError, match=r"^messages\[1\]\.content\[1\]: images and audio need "
+                                         r"the omni extra: pip install 'mlx-dspark\[omni\]'"):
+        prompt_ids(pair.tokenizer, messages, True)
+
+
+vlm = pytest.importorskip("mlx_vlm.models.nemotron_h_nano_omni",
+                          reason="the omni extra (mlx-vlm) is not installed")
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    from mlx_dspark.testing.omni import tiny_omni
+    return tiny_omni(tmp_path_factory.mktemp("omni") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def pair(omni):
+    return md.load(str(omni[0]), "none", verify="none", warm=False)
+
+
+def _vlm_inputs(pair, text: str, images=(), audio=()):
+    from PIL import Image
+    proc = pair.tokenizer.media.processor
+    inputs = proc(text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+                  or None, audio=[parts.decode(parts.Media("audio", a, "x", "wav")).decoded
+                                  for a in audio] or None)
+    return [int(t) for t in np.array(inputs["input_ids"][0])], inputs
+
+
+def _log_probs(logits) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_the_tiny_checkpoint_loads_back_in_mlx_vlm_bit_for_bit(omni):
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+    path, made = omni
+    back = dict(tree_flatten(load_model(path).parameters()))
+    mine = dict(tree_flatten(made.parameters()))
+    assert set(back) == set(mine)
+    assert all(back[k].dtype == v.dtype and mx.array_equal(back[k], v).item()
+               for k, v in mine.items())
+
+
+@pytest.mark.parametrize("kind", ["image", "two images", "audio"])
+def test_log_probs_and_greedy_tokens_equal_mlx_vlms_omni_forward(omni, pair, kind):
+    from mlx_vlm.utils import load_model
+    images = {"image": [png()], "two images": [png(), png(48, 90, seed=1)], "audio": []}[kind]
+    clips = [wav(1.3)] if kind == "audio" else []
+    content = [image_part(b) for b in images] + [audio_part(a) for a in clips] + \
+        [{"type": "text", "text": "What is it?"}]
+    ids = prompt_ids(pair.tokenizer, user(*content), True)
+    marks = "".join(["<image>"] * len(images) + ["<so_embedding>"] * len(clips))
+    theirs, inputs = _vlm_inputs(pair, f"<|user|>{marks}What is it?\n<|assistant|>",
+                                 images, clips)
+    assert text_ids(pair.target, ids) == theirs and max(ids) >= pair.target.config.vocab_size
+    model = load_model(omni[0])
+    extra = {"pixel_values": inputs["pixel_values"]} if images else \
+        {"sound_clips": inputs["sound_clips"]}
+    want = _log_probs(model(mx.array([theirs]), **extra).logits[0])
+    target = pair.target
+    got = _log_probs(target.step(step_input(target, ids), target.make_cache())[0][0])
+    assert mx.abs(want - got).max().item() < 1e-3
+    greedy, tokens = list(theirs), []
+    for _ in range(10):
+        tokens.append(mx.argmax(model(mx.array([greedy]), **extra).logits[0, -1]).item())
+        greedy.append(tokens[-1])
+    result = md.generate(pair, user(*content), max_tokens=10, temperature=0, chat=True)
+    assert result.tokens == tokens[:len(result.tokens)]
+    assert len(result.tokens) == len(tokens) or result.stats.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3", "mtp"])
+def test_speculation_stays_exact_after_a_media_prompt(omni, drafter):
+    from dataclasses import replace
+    from mlx_dspark.testing import toy
+    base = md.load(str(omni[0]), "none", verify="none", warm=False)
+    made = {"dspark": lambda t: toy.random_drafter(t, tap_layers=(0, 2)),
+            "eagle3": lambda t: toy.random_eagle3(t, aux=(0, 2, 3), own_embedding=True),
+            "mtp": lambda t: toy.random_mtp(t)}[drafter](base.target)
+    pair = replace(base, drafter=made)
+    messages = user(image_part(png()), audio_part(wav(0.8)), {"type": "text", "text": "Say."})
+    spec = md.generate(pair, messages, max_tokens=16, speculative="on", temperature=0)
+    serial = md.generate(pair, messages, max_tokens=16, speculative="off", temperature=0)
+    assert spec.tokens == serial.tokens and spec.stats.rounds > 0
+
+
+def test_the_prompt_cache_keys_media_by_content(omni, tmp_path):
+    pair = md.load(str(omni[0]), "none", warm=False, prompt_cache_dir=tmp_path / "cache")
+
+    def asking(image):
+        return [{"role": "system", "content": "You look at pictures."}] + \
+            user({"type": "text", "text": "Look: "}, image_part(image))
+    a, b = png(seed=3), png(seed=4)
+    ids = prompt_ids(pair.tokenizer, asking(a), True)
+    media = [i for i, t in enumerate(ids) if t >= pair.target.config.vocab_size]
+    first = md.generate(pair, asking(a), max_tokens=4, temperature=0)
+    again = md.generate(pair, asking(a), max_tokens=4, temperature=0)
+    other = md.generate(pair, asking(b), max_tokens=4, temperature=0)
+    assert first.stats.reused_tokens == 0
+    assert again.stats.reused_tokens > media[-1] and again.tokens == first.tokens
+    assert 0 < other.stats.reused_tokens <= media[0]         # the system message, no more
+    on_disk = pair.prompt_cache.store.entries.values()           # media ids: memory only
+    assert on_disk and all(max(e.tokens) < pair.target.config.vocab_size for e in on_disk)
+
+
+BAD = {
+    "truncated": (lambda: image_part(png()[:-40]), "a broken PNG image"),
+    "not an image": (lambda: image_part(b"GIF89a but not really" * 10), "not an image"),
+    "20000x20000": (lambda: image_part(png_header(20000, 20000)),
+                    "pixels; at most 8192 on a side"),
+    "9000x100": (lambda: image_part(png_header(9000, 100)),
+                 "declares 9000x100 pixels; at most 8192 on a side"),
+    "remote URL": (lambda: {"type": "image_url",
+                            "image_url": {"url": "https://example.com/cat.png"}},
+                   "https URLs are never fetched"),
+    "file URL": (lambda: {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+                 "file:// URLs are read only under the directory the server names"),
+    "bad base64": (lambda: {"type": "input_audio",
+                            "input_audio": {"data": "@@@", "format": "wav"}},
+                   "not valid base64"),
+    "long audio": (lambda: audio_part(wav(301, rate=2000)), "301 s of audio; at most 300 s"),
+    "not audio": (lambda: audio_part(b"RIFF" + b"\0" * 200), "not wav audio"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_media_is_refused_naming_the_part(pair, case):
+    make, words = BAD[case]
+    messages = [{"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, make()]}]
+    with pytest.raises(MediaError) as e:
+        prompt_ids(pair.tokenizer, messages, True)
+    assert e.value.param == "messages[1].content[1]"
+    assert str(e.value).startswith("messages[1].content[1]: ") and words in str(e.value)
+
+
+def test_too_many_images_names_the_first_one_over(pair):
+    messages = user(*[image_part(png(seed=i)) for i in range(parts.LIMITS.images + 1)])
+    with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[8\]: more than 8 images"):
+        prompt_ids(pair.tokenizer, messages, True)
+
+
+def test_local_files_only_under_the_allowed_directory(omni, tmp_path):
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "a.png").write_bytes(png())
+    (tmp_path / "elsewhere.png").write_bytes(png())
+    pair = md.load(str(omni[0]), "none", verify="none", warm=False,
+                   allowed_local_media_path=tmp_path / "ok")
+    ok = prompt_ids(pair.tokenizer, user({"type": "image_url", "image_url": {
+        "url": f"file://{tmp_path}/ok/a.png"}}), True)
+    assert ok == prompt_ids(pair.tokenizer, user(image_part(png())), True)
+    with pytest.raises(MediaError, match="outside the allowed media directory"):
+        prompt_ids(pair.tokenizer, user({"type": "image_url", "image_url": {
+            "url": f"file://{tmp_path}/ok/../elsewhere.png"}}), True)
+
+
+def test_the_towers_load_only_when_media_arrive(omni):
+    from mlx.utils import tree_flatten
+    from mlx_dspark.checkpoint import memory
+    pair = md.load(str(omni[0]), "none", verify="none", warm=False)
+    assert pair.tokenizer.media._model is None
+    md.generate(pair, "<|user|>hi\n<|assistant|>", max_tokens=2)
+    assert pair.tokenizer.media._model is None
+    md.generate(pair, user(image_part(png()), {"type": "text", "text": "x"}), max_tokens=2)
+    towers = pair.tokenizer.media._model
+    held = sum(v.nbytes for k, v in tree_flatten(towers.parameters())
+               if k.startswith(("vision_model.", "mlp1.", "sound_")))
+    estimate = memory.media_bytes(omni[0], pair.target.dtype)   # what the pre-flight counts
+    assert held <= estimate <= held + 1024           # (a dropped feature-extractor buffer)
