@@ -248,3 +248,94 @@ def test_the_towers_load_only_when_media_arrive(omni):
                if k.startswith(("vision_model.", "mlp1.", "sound_")))
     estimate = memory.media_bytes(omni[0], pair.target.dtype)   # what the pre-flight counts
     assert held <= estimate <= held + 1024           # (a dropped feature-extractor buffer)
+
+
+# -- the command line and the server ----------------------------------------------------------
+
+def test_generate_takes_images_and_audio_files(omni, pair, tmp_path, capsys):
+    from mlx_dspark import cli
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "b.wav").write_bytes(wav(0.7))
+    base = ["generate", "--model", str(omni[0]), "--drafter", "none", "--verify", "none",
+            "-p", "What?", "-m", "6", "--temp", "0"]
+    assert cli.main(base + ["--image", str(tmp_path / "a.png"),
+                            "--audio", str(tmp_path / "b.wav")]) == 0
+    want = md.generate(pair, user(image_part(png()), audio_part(wav(0.7)),
+                                  {"type": "text", "text": "What?"}), max_tokens=6,
+                       temperature=0)
+    assert capsys.readouterr().out == want.text + "\n"
+    (tmp_path / "bad.png").write_bytes(b"not a picture")
+    assert cli.main(base + ["--image", str(tmp_path / "a.png"),
+                            "--image", str(tmp_path / "bad.png")]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"mlx-dspark generate: error: --image {tmp_path / 'bad.png'}: not an image "
+                   f"(PNG, JPEG, WebP, GIF or BMP)\n")
+
+
+@pytest.fixture(scope="module")
+def client(omni, tmp_path_factory):
+    from server_helpers import app_client, started_engine
+    allowed = tmp_path_factory.mktemp("media")
+    (allowed / "a.png").write_bytes(png())
+    for engine in started_engine(lambda: md.load(str(omni[0]), "none", verify="none",
+                                                 warm=False, allowed_local_media_path=allowed),
+                                 max_batch=2):
+        yield app_client(engine, "omni"), allowed
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_the_server_reads_media_in_every_protocols_shape(client):
+    c, allowed = client
+    chat = c.post("/v1/chat/completions", json={"model": "omni", "max_tokens": 5,
+                                                "temperature": 0, "messages": user(
+        {"type": "text", "text": "What?"}, image_part(png()), audio_part(wav(0.5)))})
+    assert chat.status_code == 200, chat.text
+    local = c.post("/v1/chat/completions", json={"model": "omni", "max_tokens": 5,
+                                                 "temperature": 0, "messages": user(
+        {"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {
+            "url": f"file://{allowed}/a.png"}}, audio_part(wav(0.5)))})
+    assert local.json()["choices"] == chat.json()["choices"]     # the same bytes, read there
+    claude = c.post("/v1/messages", json={"model": "omni", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": _b64(png())}},
+            {"type": "text", "text": "What?"}]}]})
+    assert claude.status_code == 200, claude.text
+    responses = c.post("/v1/responses", json={"model": "omni", "max_output_tokens": 5,
+                                              "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What?"},
+        {"type": "input_image", "image_url": "data:image/png;base64," + _b64(png())}]}]})
+    assert responses.status_code == 200, responses.text
+
+
+@pytest.mark.parametrize("path,body,where", [
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "s"}] + user(
+        {"type": "text", "text": "x"}, image_part(png()[:-40]))}, "messages[1].content[1]"),
+    ("/v1/messages", {"system": "s", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": _b64(png_header(20000, 20000))}}]}]},
+     "messages[0].content[1]"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,"
+                                             + _b64(b"plain text")}]}]}, "input[0].content[0]"),
+    ("/v1/chat/completions", {"messages": user(*[image_part(png(seed=i)) for i in range(9)])},
+     "messages[0].content[8]"),
+    ("/v1/chat/completions", {"messages": user(audio_part(wav(301, rate=2000)))},
+     "messages[0].content[0]"),
+])
+def test_bad_media_is_a_400_naming_the_part_and_the_server_keeps_serving(client, path, body,
+                                                                         where):
+    c, _ = client
+    limit = {"/v1/responses": "max_output_tokens"}.get(path, "max_tokens")
+    r = c.post(path, json={"model": "omni", limit: 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert where in error["message"] and "Traceback" not in r.text
+    if path != "/v1/messages":
+        assert error["param"] == where
+    ok = c.post("/v1/chat/completions", json={"model": "omni", "max_tokens": 3,
+                                              "messages": user(image_part(png()))})
+    assert ok.status_code == 200, ok.text

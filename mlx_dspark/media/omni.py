@@ -147,11 +147,13 @@ class OmniMedia:
                 where = media[min(k, len(media) - 1)].where
                 raise parts.MediaError(where, f"the chat template's text holds a "
                                               f"{MARKS[kind][1]} where no {kind} part is")
-            item = parts.decode(media[k])
-            n, rows = (self._image if kind == parts.IMAGE else self._audio)(item)
-            start, hold, end = MARKS[kind]
-            key = f"{item.key}:{self.processor.image_processor.max_num_patches}"
-            out += [self.ids[start], *table.register(key, n, t, rows), self.ids[end]]
+            key = f"{media[k].key}:{self.processor.image_processor.max_num_patches}"
+            ids = table.held(key)       # seen before (an earlier request, a shorter render)
+            if ids is None:
+                item = parts.decode(media[k])
+                n, rows = (self._image if kind == parts.IMAGE else self._audio)(item)
+                ids = table.register(key, n, t, rows)
+            out += [self.ids[MARKS[kind][0]], *ids, self.ids[MARKS[kind][2]]]
             k += 1
         if k != len(media):
             raise parts.MediaError(media[k].where, "the chat template dropped this part's "

@@ -148,6 +148,24 @@ def _part(part: dict, where: str, allowed: str | None) -> Media | None:
 MEDIA_TYPES = ("image_url", "input_image", "image", "input_audio")
 
 
+def is_media(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in MEDIA_TYPES
+
+
+def located(part: dict, where: str) -> dict:
+    """A media part that carries its path in the request (a protocol's reader renumbers
+    messages: a refusal still names the part as the client sent it)."""
+    return {**part, "where": where}
+
+
+def content(pieces: list):
+    """A message's content from its pieces in order (text strings, :func:`located` media
+    parts): the text joined when there is no media part, else the parts."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(pieces)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in pieces]
+
+
 def has_media(messages) -> bool:
     """Whether any message has a media part (cheap: the parts are not read)."""
     return isinstance(messages, list) and any(

@@ -68,6 +68,15 @@ class MediaRows:
                 old.compute, old.rows = None, None
             return range(block.base, block.base + block.n)
 
+    def held(self, key: str) -> range | None:
+        """The ids of the content ``key`` while its rows (or what computes them) are held."""
+        with self._lock:
+            block = self._by_key.get(key)
+            if block is None or block.rows is None and block.compute is None:
+                return None
+            self._held.move_to_end(key)
+            return range(block.base, block.base + block.n)
+
     def block(self, token: int) -> Block | None:
         """The block holding the id ``token`` (None for a text id or one never given)."""
         if token < self.vocab:

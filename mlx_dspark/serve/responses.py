@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..decode import tool_grammar
+from ..media import parts
 from ..request import RequestError
 from ..text import tools
 from . import fields
@@ -108,7 +109,7 @@ def _input(items) -> list[dict]:
                 raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}",
                                f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"),
-                                                        f"{where}.content")})
+                                                        f"{where}.content", media=True)})
         elif kind in CALLS:
             if not isinstance(item.get("name"), str):
                 raise ApiError(f"'{where}.name' must be a string", f"{where}.name")
@@ -131,14 +132,19 @@ def _input(items) -> list[dict]:
     return out
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, media: bool = False) -> str | list:
+    """Text, or with ``media`` (a message's content) text and input_image parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                         for p in content):
-        return "".join(p.get("text") or p.get("refusal") or "" for p in content)
-    raise ApiError(f"'{where}' must be a string or text parts (input_text, output_text); "
-                   f"this model reads text only", where)
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and (p.get("type") in TEXT_PARTS
+                                     or media and p.get("type") == "input_image")
+            for p in content):
+        return parts.content([parts.located(p, f"{where}[{j}]") if parts.is_media(p)
+                              else p.get("text") or p.get("refusal") or ""
+                              for j, p in enumerate(content)])
+    raise ApiError(f"'{where}' must be a string or text parts (input_text, output_text)"
+                   + (" and input_image parts" if media else ""), where)
 
 
 def _arguments(args, where: str) -> dict:
