@@ -43,7 +43,8 @@ METADATA = {"format": "mlx"}
 MEDIA_STEM = "media"
 """An Omni wrapper's vision, projector and audio tensors: ``media*.safetensors``."""
 COPIED_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                "merges.txt", "chat_template*", "generation_config.json"]
+                "merges.txt", "chat_template*", "generation_config.json",
+                "preprocessor_config.json", "processor_config.json"]     # an Omni's media
 
 
 def shard(tensors: list[OutTensor], limit: int = SHARD_BYTES) -> list[list[OutTensor]]:

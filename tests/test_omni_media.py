@@ -339,3 +339,18 @@ def test_bad_media_is_a_400_naming_the_part_and_the_server_keeps_serving(client,
     ok = c.post("/v1/chat/completions", json={"model": "omni", "max_tokens": 3,
                                               "messages": user(image_part(png()))})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_converted_omni_reads_media_as_its_source_does(omni, pair, tmp_path):
+    from mlx_dspark.converter import convert
+    out = convert(omni[0], tmp_path / "omni-mlx", progress=False)
+    assert (out / "media.safetensors").is_file() and (out / "preprocessor_config.json").is_file()
+    converted = md.load(str(out), "none", warm=False)
+    messages = user(image_part(png(seed=7)), audio_part(wav(0.6)), {"type": "text", "text": "?"})
+    ids = prompt_ids(converted.tokenizer, messages, True)
+    assert text_ids(converted.target, ids) == text_ids(
+        pair.target, prompt_ids(pair.tokenizer, messages, True))
+    a, b = converted.target, pair.target
+    assert mx.array_equal(a.step(step_input(a, ids), a.make_cache())[0],
+                          b.step(step_input(b, prompt_ids(pair.tokenizer, messages, True)),
+                                 b.make_cache())[0]).item()
