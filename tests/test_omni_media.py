@@ -9,13 +9,8 @@ refusal of media parts by a pair that has no media path (which holds without it 
 from __future__ import annotations
 
 import base64
-import io
-import struct
-import wave
-import zlib
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import mlx_dspark as md
@@ -23,49 +18,9 @@ from mlx_dspark.api import DEMO
 from mlx_dspark.media import parts
 from mlx_dspark.media.parts import MediaError
 from mlx_dspark.models.media_rows import step_input, text_ids
+from mlx_dspark.testing.omni import (audio_part, image_part, png, png_header, user, vlm_inputs,
+                                     wav)
 from mlx_dspark.text.tokenizer import prompt_ids
-
-
-def png(w=100, h=70, seed=0) -> bytes:
-    from PIL import Image
-    pixels = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def png_header(w: int, h: int) -> bytes:
-    """A PNG whose header declares ``w`` x ``h`` pixels (and holds almost none)."""
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + \
-            struct.pack(">I", zlib.crc32(kind + data))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
-
-
-def wav(seconds: float, rate=16000, seed=0) -> bytes:
-    samples = (np.random.default_rng(seed).standard_normal(int(seconds * rate)) * 3000)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(samples.astype("<i2").tobytes())
-    return buf.getvalue()
-
-
-def image_part(data: bytes) -> dict:
-    return {"type": "image_url",
-            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
-
-
-def audio_part(data: bytes, fmt="wav") -> dict:
-    return {"type": "input_audio",
-            "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
-
-
-def user(*content) -> list[dict]:
-    return [{"role": "user", "content": list(content)}]
 
 
 def test_a_media_part_to_a_model_without_a_media_path_is_refused_naming_it(monkeypatch):
@@ -97,15 +52,6 @@ def pair(omni):
     return md.load(str(omni[0]), "none", verify="none", warm=False)
 
 
-def _vlm_inputs(pair, text: str, images=(), audio=()):
-    from PIL import Image
-    proc = pair.tokenizer.media.processor
-    inputs = proc(text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-                  or None, audio=[parts.decode(parts.Media("audio", a, "x", "wav")).decoded
-                                  for a in audio] or None)
-    return [int(t) for t in np.array(inputs["input_ids"][0])], inputs
-
-
 def _log_probs(logits) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -131,7 +77,7 @@ def test_log_probs_and_greedy_tokens_equal_mlx_vlms_omni_forward(omni, pair, kin
         [{"type": "text", "text": "What is it?"}]
     ids = prompt_ids(pair.tokenizer, user(*content), True)
     marks = "".join(["<image>"] * len(images) + ["<so_embedding>"] * len(clips))
-    theirs, inputs = _vlm_inputs(pair, f"<|user|>{marks}What is it?\n<|assistant|>",
+    theirs, inputs = vlm_inputs(pair, f"<|user|>{marks}What is it?\n<|assistant|>",
                                  images, clips)
     assert text_ids(pair.target, ids) == theirs and max(ids) >= pair.target.config.vocab_size
     model = load_model(omni[0])

@@ -26,7 +26,6 @@ from ..converter.omni import renamer
 from ..models.media_rows import MediaRows
 from . import parts
 
-EXTRA = ("mlx_vlm.models.nemotron_h_nano_omni",)
 TOWERS = ("vision_model.", "mlp1.", "vision_final_layernorm.", "sound_encoder.",
           "sound_projection.")
 MARKS = {parts.IMAGE: ("<img>", "<image>", "</img>"),

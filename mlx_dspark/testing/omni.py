@@ -2,12 +2,19 @@
 parent holds Lightning's text tower (converter/omni.py): the tower's config under
 ``llm_config`` (or ``text_config``), its tensors under ``language_model.``, random vision,
 projector and audio tensors beside them. A ModelOpt export wraps as ModelOpt exports the
-parent: quantization at the top level, module names in it prefixed. NumPy only."""
+parent: quantization at the top level, module names in it prefixed (NumPy only). With the
+``omni`` extra, :func:`tiny_omni` builds a whole random Omni with mlx-vlm's model class, and
+the media helpers below make images, audio and the parts that carry them."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import shutil
+import struct
+import wave
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +201,62 @@ def tiny_omni(out, seed: int = 0):
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return out, model
+
+
+# ------------------------------------------------------------ media for tests and benchmarks
+
+def png(w=100, h=70, seed=0) -> bytes:
+    """A random RGB PNG."""
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG whose header declares ``w`` x ``h`` pixels (and holds almost none)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def wav(seconds: float, rate=16000, seed=0) -> bytes:
+    """Random 16-bit mono WAV."""
+    samples = (np.random.default_rng(seed).standard_normal(int(seconds * rate)) * 3000)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def audio_part(data: bytes, fmt="wav") -> dict:
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def user(*content) -> list[dict]:
+    return [{"role": "user", "content": list(content)}]
+
+
+def vlm_inputs(pair, text: str, images=(), audio=()):
+    """mlx-vlm's processor on ``text`` (placeholders as its chat template writes them) and the
+    media bytes: its prompt ids and its inputs (pixel values, sound clips)."""
+    from PIL import Image
+
+    from ..media import parts
+    proc = pair.tokenizer.media.processor
+    inputs = proc(text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+                  or None, audio=[parts.decode(parts.Media("audio", a, "x", "wav")).decoded
+                                  for a in audio] or None)
+    return [int(t) for t in np.array(inputs["input_ids"][0])], inputs
