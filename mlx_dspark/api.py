@@ -20,6 +20,7 @@ from typing import Iterator
 from .checkpoint.integrity import check_level
 from .decode.session import Session
 from .decode.warm import warm_up  # noqa: F401 (public: load(warm=True), the CLI)
+from .models.media_rows import text_ids
 from .request import Request, RequestError, Thinking, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
@@ -334,14 +335,15 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
     prompt = prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs)
+    text = text_ids(pair.target, prompt)        # media positions as their placeholder tokens
     return Request(prompt, max_tokens=256 if max_tokens is None else max_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
-                   thinking=thinking_of(pair.tokenizer, prompt) if split_thinking else None,
+                   thinking=thinking_of(pair.tokenizer, text) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    vocab_limit=pair.decodable,
-                   grammar=constraint_of(pair, prompt, response_format, grammar),
+                   grammar=constraint_of(pair, text, response_format, grammar),
                    min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
                    repetition_penalty=repetition_penalty,
                    repetition_context_size=repetition_context_size,

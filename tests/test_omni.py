@@ -170,7 +170,8 @@ def test_media_weights_are_neither_read_nor_counted_for_text(hf, tmp_path):
         target = load_target(str(path), verify="none")
         peaks.append(mx.get_peak_memory() - start)
         del target
-    assert abs(peaks[1] - peaks[0]) < (1 << 20)             # the 16 MB were never read
+    assert peaks[1] - peaks[0] < (8 << 20)       # the 16 MB were never read (MLX's peak
+    #                                              counts other threads too: a few MB of noise)
 
 
 def test_the_server_answers_from_it(omni):

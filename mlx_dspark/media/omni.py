@@ -115,7 +115,10 @@ class OmniMedia:
 
     # --- ids
     def _image(self, media: parts.Media):
-        out = self.processor.image_processor(images=[media.decoded])
+        # On the thread that encodes the prompt (a server's worker), not the engine's: the
+        # processor's resize runs on the CPU stream, so no GPU stream crosses threads.
+        with mx.stream(mx.cpu):
+            out = self.processor.image_processor(images=[media.decoded])
         pixels, n = out["pixel_values"], int(out["num_tokens"][0])
 
         def rows():
