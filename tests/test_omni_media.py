@@ -300,3 +300,12 @@ def test_a_converted_omni_reads_media_as_its_source_does(omni, pair, tmp_path):
     assert mx.array_equal(a.step(step_input(a, ids), a.make_cache())[0],
                           b.step(step_input(b, prompt_ids(pair.tokenizer, messages, True)),
                                  b.make_cache())[0]).item()
+
+
+def test_media_the_memory_cannot_hold_are_refused_before_the_towers_load(omni, monkeypatch):
+    from mlx_dspark.checkpoint import memory
+    pair = md.load(str(omni[0]), "none", verify="none", warm=False)
+    monkeypatch.setattr(memory, "available_memory", lambda: (1000, "the test's budget"))
+    with pytest.raises(memory.InsufficientMemory, match="its vision and audio towers need"):
+        prompt_ids(pair.tokenizer, user(image_part(png())), True)
+    assert pair.tokenizer.media._model is None

@@ -87,12 +87,12 @@ class OmniMedia:
     # --- the towers
     def towers(self):
         """mlx-vlm's Omni model holding the media towers' weights from the checkpoint (its
-        language model left out: ours runs the text)."""
+        language model left out: ours runs the text); made on the thread that prefills, where
+        its arrays are evaluated."""
         if self._model is not None:
             return self._model
         from mlx_vlm.models.nemotron_h_nano_omni import Model, ModelConfig
 
-        check_media_fits(self.path, self.target.dtype)
         model = Model(ModelConfig.from_dict(self.config))
         rename, stored = renamer(self.path), {}
         for f in sorted(self.path.glob("*.safetensors")):
@@ -138,6 +138,8 @@ class OmniMedia:
         """``ids`` (the chat template's, one placeholder token per media part, in order) with
         each placeholder replaced by its start mark, its media ids and its end mark."""
         table = self.target.media_rows
+        if self._model is None:         # refused here, before the engine would load them
+            check_media_fits(self.path, self.target.dtype)
         out, k = [], 0
         holders = {self.ids[MARKS[kind][1]]: kind for kind in MARKS}
         for t in ids:
