@@ -3,8 +3,10 @@ spelling, its text tower under ``language_model.`` beside vision, projector and 
 loads as the tower alone (the same logits as the tower saved as a plain nemotron_h checkpoint,
 bit for bit), pairs with every drafter kind, gets Lightning's default drafter by its tower's
 shape, converts from a ModelOpt export (the tower bit for bit, the media carried as exported),
-and never reads its media weights for text. The wrappers are built with the NumPy builders
-(mlx_dspark/testing/omni.py) around the demo target and the synthetic ModelOpt export."""
+and never reads its media weights for text; a media part sent to a model without a media path
+is refused naming the part (and, without the ``omni`` extra, how to install it). The wrappers
+are built with the NumPy builders (mlx_dspark/testing/omni.py) around the demo target and the
+synthetic ModelOpt export; nothing here needs the extra."""
 
 from __future__ import annotations
 
@@ -24,11 +26,14 @@ from mlx_dspark.checkpoint.hub import cache_entry
 from mlx_dspark.checkpoint.recorded import verify_directory
 from mlx_dspark.converter import convert
 from mlx_dspark.converter.layout import RECEIPT_NAME
+from mlx_dspark.media import parts
+from mlx_dspark.media.parts import MediaError
 from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.testing.codecs import read_raw_checkpoint, read_raw_safetensors
 from mlx_dspark.testing.mlx_lm_layouts import dense_hf
 from mlx_dspark.testing.omni import MEDIA, wrap
 from mlx_dspark.testing.synthetic import lightning_config, synth_target
+from mlx_dspark.text.tokenizer import prompt_ids
 from server_helpers import app_client, started_engine
 
 IDS = [1, 281, 1092, 44, 9, 300, 17]
@@ -182,3 +187,17 @@ def test_the_server_answers_from_it(omni):
             "messages": [{"role": "user", "content": "def f(x):"}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_media_part_to_a_model_without_a_media_path_is_refused_naming_it(monkeypatch):
+    pair = md.load(str(DEMO / "target"), "none", warm=False)
+    messages = [{"role": "system", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "see"},
+                                             {"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(MediaError) as e:
+        prompt_ids(pair.tokenizer, messages, True)
+    assert e.value.param == "messages[1].content[1]"
+    monkeypatch.setattr(parts.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MediaError, match=r"^messages\[1\]\.content\[1\]: images and audio need "
+                                         r"the omni extra: pip install 'mlx-dspark\[omni\]'"):
+        prompt_ids(pair.tokenizer, messages, True)

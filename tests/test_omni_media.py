@@ -4,7 +4,8 @@ saved in the Hugging Face layout (mlx_dspark/testing/omni.py): the same prompt i
 log-probabilities within 1e-3, the same greedy tokens. Speculation stays exact after a media
 prompt; the prompt cache reuses a prompt through the same image and nothing from a different
 one on; bad media are refused naming the part. Skipped without the ``omni`` extra, except the
-refusal of media parts by a pair that has no media path (which holds without it too)."""
+refusal of media parts by a pair that has no media path (tests/test_omni.py, which runs
+without it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.api import DEMO
 from mlx_dspark.media import parts
 from mlx_dspark.media.parts import MediaError
 from mlx_dspark.models.media_rows import step_input, text_ids
@@ -23,21 +23,7 @@ from mlx_dspark.testing.omni import (audio_part, image_part, png, png_header, us
 from mlx_dspark.text.tokenizer import prompt_ids
 
 
-def test_a_media_part_to_a_model_without_a_media_path_is_refused_naming_it(monkeypatch):
-    pair = md.load(str(DEMO / "target"), "none", warm=False)
-    messages = [{"role": "system", "content": "hi"},
-                {"role": "user", "content": [{"type": "text", "text": "see"},
-                                             {"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(MediaError) as e:
-        prompt_ids(pair.tokenizer, messages, True)
-    assert e.value.param == "messages[1].content[1]"
-    monkeypatch.setattr(parts.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(MediaError, match=r"^messages\[1\]\.content\[1\]: images and audio need "
-                                         r"the omni extra: pip install 'mlx-dspark\[omni\]'"):
-        prompt_ids(pair.tokenizer, messages, True)
-
-
-vlm = pytest.importorskip("mlx_vlm.models.nemotron_h_nano_omni",
+vlm = pytest.importorskip("mlx_vlm.models.nemotron_h_nano_omni", exc_type=ImportError,
                           reason="the omni extra (mlx-vlm) is not installed")
 
 
