@@ -295,3 +295,15 @@ def test_media_the_memory_cannot_hold_are_refused_before_the_towers_load(omni, m
     with pytest.raises(memory.InsufficientMemory, match="its vision and audio towers need"):
         prompt_ids(pair.tokenizer, user(image_part(png())), True)
     assert pair.tokenizer.media._model is None
+
+
+def test_the_parts_keep_their_order_through_the_chat_template(pair):
+    ids = prompt_ids(pair.tokenizer, user({"type": "text", "text": "ab"}, audio_part(wav(0.3)),
+                                          {"type": "text", "text": "cd"}, image_part(png())),
+                     True)
+    text = pair.tokenizer.decode(text_ids(pair.target, ids))
+    n_audio = text.count("<so_embedding>")
+    n_image = text.count("<image>")
+    assert text == (f"<|user|>ab<so_start>{'<so_embedding>' * n_audio}<so_end>"
+                    f"cd<img>{'<image>' * n_image}</img>\n<|assistant|>")
+    assert n_audio > 0 and n_image > 0
