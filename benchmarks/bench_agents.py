@@ -3,6 +3,7 @@ Code and of Codex CLI, the prompt-cache reuse between two Claude Code sessions, 
 to first byte and keep-alive cadence of a streamed /v1/messages request on a long prompt.
 
     python benchmarks/bench_agents.py [--dir benchmarks/agents] [--long 27000] [--json OUT]
+    python benchmarks/bench_agents.py --together    # Claude Code and opencode in one batch
 
 The clients are installed with npm into ``--dir`` (its ``package.json`` pins them; never into
 the runtime), and each runs in a fresh ``HOME`` with a dummy key: no login, no network beyond
@@ -29,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_dspark.testing.server import launch, stop  # noqa: E402
 
-PACKAGES = {"@anthropic-ai/claude-code": "2.1.197", "@openai/codex": "0.171.0"}
+PACKAGES = {"@anthropic-ai/claude-code": "2.1.197", "@openai/codex": "0.171.0",
+            "opencode-ai": "1.18.33"}
 ANSWER = "README.md is the only file here."
 CALL = "<tool_call>\n<function={name}>\n<parameter={key}>\nls\n</parameter>\n</function>\n</tool_call>"
 FIXTURE = ROOT / "tests" / "fixtures" / "agents" / "claude_code.json"
@@ -42,8 +44,8 @@ def install(folder: Path) -> dict:
         {"name": "mlx-dspark-agents-bench", "private": True, "dependencies": PACKAGES},
         indent=2) + "\n")
     (folder / ".gitignore").write_text("node_modules/\npackage-lock.json\n")
-    bins = {"claude": folder / "node_modules" / ".bin" / "claude",
-            "codex": folder / "node_modules" / ".bin" / "codex"}
+    bins = {name: folder / "node_modules" / ".bin" / name
+            for name in ("claude", "codex", "opencode")}
     if not all(b.exists() for b in bins.values()):
         subprocess.run(["npm", "install", "--no-audit", "--no-fund"], cwd=folder, check=True)
     claude = folder / "node_modules" / "@anthropic-ai" / "claude-code"
@@ -119,6 +121,46 @@ def codex_turn(codex: Path) -> dict:
             "ran_ls": "README.md" in text, "answered": ANSWER in text, "tail": text[-600:]}
 
 
+def together(bins: dict, prompt: str = "Read README.md and say what this project is.") -> dict:
+    """Claude Code (Anthropic Messages, adaptive thinking) and opencode (chat completions)
+    against one ``serve --max-batch 4`` on the demo pair at once: each client's exit and
+    answer, and the batch as /health showed it while both ran (``both_in_one_batch``: a
+    moment with both clients' rows decoding together)."""
+    proc, url = launch(["--max-batch", "4"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    home, work = workdir()
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json", "model": "dspark/mlx-dspark-demo",
+        "provider": {"dspark": {"npm": "@ai-sdk/openai-compatible", "name": "mlx-dspark",
+                                "options": {"baseURL": f"{url}/v1", "apiKey": "sk-local"},
+                                "models": {"mlx-dspark-demo": {"name": "mlx-dspark demo"}}}}}))
+    env = dict(os.environ, HOME=str(home), PWD=str(work), ANTHROPIC_BASE_URL=url,
+               ANTHROPIC_API_KEY="sk-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+    runs = {"claude_code": [bins["claude"], "--allowedTools", "Read", "-p", prompt],
+            "opencode": [bins["opencode"], "run", prompt]}
+    sizes, t0 = [], time.monotonic()
+    try:
+        procs = {name: subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+                 for name, cmd in runs.items()}
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while any(p.poll() is None for p in procs.values()) and \
+                    time.monotonic() - t0 < 600:
+                batch = http.get("/health").json()["batch"]
+                sizes.append(batch["size"])
+                time.sleep(0.05)
+        out = {name: {"exit": p.wait(timeout=60), "tail": p.stdout.read()[-400:]}
+               for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        stop(proc)
+    return {**out, "seconds": round(time.monotonic() - t0, 1), "largest_batch": max(sizes),
+            "both_in_one_batch": max(sizes) >= 2,
+            "share_of_samples_with_2_rows": round(sum(n >= 2 for n in sizes) / len(sizes), 3)}
+
+
 def long_prompt(tokens: int, pings: int) -> dict:
     """Claude Code's first request, its user turn padded to about ``tokens`` prompt tokens,
     streamed to the demo pair: when its first byte and each keep-alive arrive."""
@@ -173,8 +215,13 @@ def main(argv=None):
     p.add_argument("--long", type=int, default=27000, help="prompt tokens (0: skip)")
     p.add_argument("--pings", type=int, default=4)
     p.add_argument("--json", type=Path)
+    p.add_argument("--together", action="store_true",
+                   help="only Claude Code and opencode at once against one batched server")
     args = p.parse_args(argv)
     bins = install(args.dir)
+    if args.together:
+        print(json.dumps(together(bins), indent=2))
+        return
     report = {"claude_code": claude_turns(bins["claude"]), "codex": codex_turn(bins["codex"])}
     if args.long:
         report["long_prompt"] = long_prompt(args.long, args.pings)

@@ -30,9 +30,10 @@ from pathlib import Path
 from .errors import ConversionError
 from .hub import resolve_source
 from .mlx_layouts import mlx_layout
+from .omni import text_config, with_text_config, wrapper_name
 from .plan import TARGET, build_plan, load_source_tensors
 from .layout import GROUP_SIZE, LAYOUT, RECEIPT_NAME, load_receipt, target_tensor_names
-from .quant_config import fill_layer_pattern, load_json, parse_quant_spec
+from .quant_config import fill_layer_pattern, load_json, parse_quant_spec, tower_spec
 from .receipts import RECEIPT_FORMAT, PinCheck, load_pins, receipt
 from .shapes import ConfigError, check_tensors, check_values
 from .safetensors_io import OutTensor, SourceFiles, open_regular, sha256_file, write_safetensors
@@ -40,8 +41,11 @@ from .source_tree import allowed_roots, source_files
 
 SHARD_BYTES = 5 << 30                    # fixed, so shard boundaries never depend on the machine
 METADATA = {"format": "mlx"}
+MEDIA_STEM = "media"
+"""An Omni wrapper's vision, projector and audio tensors: ``media*.safetensors``."""
 COPIED_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                "merges.txt", "chat_template*", "generation_config.json"]
+                "merges.txt", "chat_template*", "generation_config.json",
+                "preprocessor_config.json", "processor_config.json"]     # an Omni's media
 
 
 def shard(tensors: list[OutTensor], limit: int = SHARD_BYTES) -> list[list[OutTensor]]:
@@ -255,7 +259,10 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     if mlx is not None:
         raise ConversionError(f"{src}: already in MLX layout ({mlx}): it loads as it is "
                               f"(--model {src}); nothing to convert, nothing written")
+    wrapper = config if wrapper_name(config) else None
     spec = parse_quant_spec(s, config)
+    if wrapper is not None:          # the text tower converted, the media carried as exported
+        config, spec = text_config(wrapper, s / "config.json"), tower_spec(spec)
     plan = build_plan(s, config, spec, keep_mtp=keep_mtp)
     if plan.kind == TARGET:
         config = fill_layer_pattern(config, s / "config.json")
@@ -272,6 +279,8 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
                                   f"tensor {missing[0]} missing" + (
                                       f" (and {len(missing) - 1} more)" if missing[1:] else "")
                                   + "; nothing written")
+    if wrapper is not None:
+        config = with_text_config(wrapper, config)
     config["quantization"] = {"layout": LAYOUT, "group_size": GROUP_SIZE,
                               "source_quant_algo": spec.algo, "modules": plan.modules}
     copies = sorted(n for n in names if "/" not in n
@@ -290,6 +299,9 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     try:
         hashing = pool.submit(_hash_sources, s, names, check, stop)
         outputs = _write_tensors(tmp, plan.tensors, files, hashing, progress, shard_bytes)
+        if plan.media:        # beside the weight files, so a text load never opens them
+            outputs.update(_write_tensors(tmp, plan.media, files, hashing, progress,
+                                          shard_bytes, MEDIA_STEM))
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (tmp / "config.json").write_text(text, encoding="utf-8")
         for name in copies:
@@ -316,12 +328,13 @@ def _convert(src, out, *, revision, repo_id, force, keep_mtp, pins_path, progres
     return out
 
 
-def _write_tensors(tmp: Path, tensors, files, hashing, progress, shard_bytes) -> dict:
+def _write_tensors(tmp: Path, tensors, files, hashing, progress, shard_bytes,
+                   stem: str = "model") -> dict:
     from tqdm import tqdm
 
     groups = shard(tensors, shard_bytes)
-    names = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    names = ([f"{stem}.safetensors"] if len(groups) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     outputs = {}
     bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True,
                unit_divisor=1024, desc="convert", file=sys.stderr,
@@ -340,7 +353,7 @@ def _write_tensors(tmp: Path, tensors, files, hashing, progress, shard_bytes) ->
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                  "weight_map": {t.name: n for n, g in zip(names, groups) for t in g}}
-        path = tmp / "model.safetensors.index.json"
+        path = tmp / f"{stem}.safetensors.index.json"
         path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         size, sha = sha256_file(path)
         outputs[path.name] = {"size": size, "sha256": sha}
@@ -354,5 +367,8 @@ def _report(pins: dict, source, out: Path, plan) -> None:
     else:
         detail = pins.get("detail") or f"{len(pins.get('unpinned_files', []))} files unpinned"
         note = f"source is {pins['status']}: {detail}; hashes recorded in {RECEIPT_NAME}"
-    print(f"converted {what} ({plan.kind}, {len(plan.tensors)} tensors; {plan.dropped} source "
-          f"tensors dropped: input/KV-cache scales, MTP) -> {out}\n{note}", file=sys.stderr)
+    media = (f", {len(plan.media)} vision/audio tensors carried as exported into "
+             f"{MEDIA_STEM}*.safetensors" if plan.media else "")
+    print(f"converted {what} ({plan.kind}, {len(plan.tensors)} tensors{media}; {plan.dropped} "
+          f"source tensors dropped: input/KV-cache scales, MTP) -> {out}\n{note}",
+          file=sys.stderr)

@@ -15,11 +15,12 @@ import re
 import struct
 from collections import defaultdict
 from itertools import islice
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConversionError
 from .layout import GROUP_SIZE, latent_problem, speculators_refusal
+from .omni import WRAPPER, tower_name
 from .quant_config import QuantSpec
 from .safetensors_io import OutTensor, TensorInfo, open_regular, read_chunks, read_header
 
@@ -64,6 +65,7 @@ class Plan:
     tensors: list[OutTensor]              # sorted by name
     modules: dict[str, str]               # linear module prefix -> layout
     dropped: int                          # source tensors not carried over
+    media: list[OutTensor] = field(default_factory=list)   # an Omni wrapper's, as exported
 
 
 def load_source_tensors(src: Path) -> dict[str, TensorInfo]:
@@ -256,6 +258,11 @@ def _module_tensors(prefix: str, src: dict[str, TensorInfo]) -> tuple[str, list[
 def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> Plan:
     config_path = src / "config.json"
     tensors = load_source_tensors(src)
+    media = {}
+    if config.get(WRAPPER):          # an Omni wrapper: its text tower, under the plain names
+        media = {n: t for n, t in tensors.items() if tower_name(n) is None}
+        tensors = {tower_name(n): replace(t, name=tower_name(n)) for n, t in tensors.items()
+                   if n not in media}
     kind = detect_kind(config, tensors, config_path)
     refusal = speculators_refusal(config, config_path) if kind == DRAFTER else None
     if refusal:
@@ -310,7 +317,7 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
 
     if spec.explicit:
         # every dotted prefix of every tensor name: one set lookup per listed layer
-        parts = [n.split(".") for n in tensors]
+        parts = [n.split(".") for n in [*tensors, *media]]
         present = {".".join(p[:i]) for p in parts for i in range(1, len(p))}
         for layer in spec.layers:
             if layer not in present:
@@ -320,7 +327,8 @@ def build_plan(src: Path, config: dict, spec: QuantSpec, *, keep_mtp: bool) -> P
     out = _stack_experts(items, config.get("n_routed_experts")) if kind == TARGET else [
         OutTensor(n, d, tuple(s), (t,)) for n, d, s, t in items]
     out.sort(key=lambda o: o.name)
-    return Plan(kind, out, _stack_module_names(modules), dropped)
+    return Plan(kind, out, _stack_module_names(modules), dropped,
+                [OutTensor(n, t.dtype, tuple(t.shape), (t,)) for n, t in sorted(media.items())])
 
 
 def _stack_experts(items: list[tuple], n_experts) -> list[OutTensor]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConversionError
 from .layout import BLOCK_CHARS, GROUP_SIZE, decode_float, layer_pattern
+from .omni import tower_pattern
 from .safetensors_io import open_regular
 
 # ModelOpt algorithm -> the converted layout; everything else is refused because its bytes
@@ -179,3 +180,10 @@ def parse_quant_spec(src: Path, config: dict) -> QuantSpec:
     if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
         raise ConversionError(f"{where}: exclude_modules must be a list of strings")
     return QuantSpec(algo=algo, source=where.name, exclude=tuple(exclude))
+
+
+def tower_spec(spec: QuantSpec) -> QuantSpec:
+    """An Omni wrapper's quantization description in its text tower's names (ModelOpt names
+    the modules from the parent: ``language_model.backbone...``)."""
+    return replace(spec, exclude=tuple(tower_pattern(p) for p in spec.exclude),
+                   layers={tower_pattern(k): v for k, v in spec.layers.items()})

@@ -20,6 +20,7 @@ from typing import Iterator
 from .checkpoint.integrity import check_level
 from .decode.session import Session
 from .decode.warm import warm_up  # noqa: F401 (public: load(warm=True), the CLI)
+from .models.media_rows import text_ids
 from .request import Request, RequestError, speculative_mode, split_stops
 from .stats import Stats, format_stats
 from .text import reasoning
@@ -173,7 +174,7 @@ class Result:
 def load(model=None, drafter=None, dtype=None, verify: str = "auto",
          memory_check: bool = True, warm: bool = True,
          prompt_cache_dir=None, prompt_cache_disk_gb: float = 10.0,
-         prompt_cache_mb: int = 1024) -> Pair:
+         prompt_cache_mb: int = 1024, allowed_local_media_path=None) -> Pair:
     """Load a converted target (and drafter).
 
     ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"`` or the MLX dtype (None: bf16 on a
@@ -201,12 +202,17 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
     prompts (message ends, every few thousand tokens, ends of prompts and answers), kept in
     memory (``prompt_cache_mb``) and in this directory (``prompt_cache_disk_gb``, least
     recently used first out), so a long shared prefix is prefilled once, across restarts
-    (docs/prompt-cache.md)."""
+    (docs/prompt-cache.md).
+
+    A Nemotron Omni parent with the ``omni`` extra installed takes images and audio as
+    message content parts (docs/formats.md); ``allowed_local_media_path``: the directory
+    whose files ``file://`` image URLs may name (none by default)."""
     from .checkpoint import hub, pairing
     from .checkpoint.formats import convert_first, detect_dir
     from .checkpoint.memory import check_download, check_fits
     from .checkpoint.recorded import recorded_hash
     from .drafters import DEFAULT_DEMO, check_pairing, load_drafter, locate, of_target
+    from .media import omni as media
     from .models.nemotron_h import (TargetConfig, check_shapes, compute_dtype, load_target,
                                      read_target_config)
     from .prompt_cache.disk import receipt_hash
@@ -250,6 +256,7 @@ def load(model=None, drafter=None, dtype=None, verify: str = "auto",
                 receipts=(own, f"{drafter}:{own}" if of_target(drafter)
                           else receipt_hash(drafter)))
     pair.drafter_note = drafter_note(pair.drafter, drafter, why, demo)
+    media.attach(pair, allowed_local_media_path)
     if prompt_cache_dir is not None:
         from .prompt_cache.cache import PromptCache
         from .prompt_cache.disk import open_store
@@ -345,20 +352,21 @@ def make_request(pair: Pair, prompt, max_tokens: int | None = None, temperature:
     if strings and pair.tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer")
     prompt = prompt_ids(pair.tokenizer, prompt, chat, chat_template_kwargs)
+    text = text_ids(pair.target, prompt)        # media positions as their placeholder tokens
     return Request(prompt, max_tokens=256 if max_tokens is None else max_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k,
                    sampling=sampling, num_draft=num_draft, speculative=speculative, seed=seed,
                    stop_tokens=ids | pair.stop_tokens(), stop_strings=strings,
-                   thinking=reasoning.thinking_of(pair.tokenizer, prompt) if split_thinking else None,
+                   thinking=reasoning.thinking_of(pair.tokenizer, text) if split_thinking else None,
                    thinking_token_budget=thinking_token_budget, logprobs=logprobs,
                    vocab_limit=pair.decodable,
-                   grammar=constraint_of(pair, prompt, response_format, grammar),
+                   grammar=constraint_of(pair, text, response_format, grammar),
                    min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
                    repetition_penalty=repetition_penalty,
                    repetition_context_size=repetition_context_size,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    logit_bias=logit_bias, logits_processors=logits_processors, sampler=sampler,
-                   after_thinking=split_thinking and reasoning.after_thinking(pair.tokenizer, prompt))
+                   after_thinking=split_thinking and reasoning.after_thinking(pair.tokenizer, text))
 
 
 def constraint_of(pair: Pair, prompt: list[int], response_format, grammar):

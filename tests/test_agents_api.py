@@ -90,7 +90,7 @@ REFUSED = [(CHAT, {"logit_bias": {"5": 1000}}, "logit_bias"),
             "tool_choice"),
            (RESPONSES, {"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
            (RESPONSES, {"input": [{"role": "user", "content": [
-               {"type": "input_image", "image_url": "data:"}]}]}, "input[0].content")]
+               {"type": "input_image", "image_url": "data:"}]}]}, "input[0].content[0]")]
 
 
 @pytest.mark.parametrize("path,extra,param", REFUSED,
@@ -161,7 +161,7 @@ def test_an_image_is_a_400_naming_its_block(c):
     r = c.post(MESSAGES, json={**BASE[MESSAGES], "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "AA=="}}]}]})
-    assert r.status_code == 400 and "messages.0.content.0" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "messages[0].content[0]" in r.json()["error"]["message"]
 
 
 # -- tools: one call on auto, cut-off calls ----------------------------------------------------

@@ -22,6 +22,7 @@ from mlx_dspark.checkpoint.memory import InsufficientMemory
 from mlx_dspark.converter import convert, hub
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert, with_config
+from mlx_dspark.testing.omni import wrap
 
 FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
 
@@ -162,7 +163,8 @@ def fake_hub(dirs, tmp_path, monkeypatch):
     gguf.mkdir()
     (gguf / "model.gguf").write_bytes(b"GGUF")
     repos.update({"mlx-community/demo-4bit": dirs["4bit"], "mlx-community/demo-bf16": dirs["bf16"],
-                  "someone/demo-gptq": gptq, "someone/demo-gguf": gguf})
+                  "someone/demo-gptq": gptq, "someone/demo-gguf": gguf,
+                  "someone/demo-omni": wrap(dirs["hf"], tmp_path / "omni")})
 
     def small_file(repo_id, name, revision, required=False, offline=False):
         asked.append((repo_id, name))
@@ -195,6 +197,16 @@ def test_an_mlx_lm_repo_is_judged_by_its_small_files_then_loads_as_it_is(fake_hu
     ids = [1, 281, 1092, 44]
     assert md.generate(pair, ids, max_tokens=12, speculative="on").tokens == \
         md.generate(pair, ids, max_tokens=12, speculative="off").tokens
+
+
+def test_an_omni_parents_repo_is_judged_by_its_text_tower_and_converted(fake_hub, dirs):
+    pair = md.load("someone/demo-omni", "mtp", warm=False)
+    assert pair.path.name == "someone--demo-omni--main"            # converted into the cache
+    assert (pair.path / "media.safetensors").is_file()
+    plain = md.load(str(dirs["hf"]), "mtp", warm=False)
+    ids = [1, 281, 1092, 44]
+    assert md.generate(pair, ids, max_tokens=12, speculative="on").tokens == \
+        md.generate(plain, ids, max_tokens=12, speculative="off").tokens
 
 
 @pytest.mark.parametrize("repo, words", [

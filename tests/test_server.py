@@ -261,7 +261,7 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
      "messages[0].content", None),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content", None),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]", None),
     (CHAT, {"model": 4, "messages": USER}, "model", None),
     (CHAT, {"model": MODEL, "messages": USER, "temperature": "hot"}, "temperature", None),
     (CHAT, {"model": MODEL, "messages": USER, "temperature": 2.5}, "temperature", None),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..converter.layout import latent_problem, weight_files
 from ..converter.mlx_layouts import Format, dense_precision, mlx_layout
+from ..converter.omni import renamer, text_config, wrapper_name
 from .integrity import CheckpointError, checkpoint_files
 
 QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
@@ -50,7 +51,10 @@ def read_target_config(path) -> dict:
 
 
 def check_target_config(raw: dict, path) -> dict:
-    """``raw`` when it configures a Nemotron-H target, else ValueError in one line."""
+    """``raw`` when it configures a Nemotron-H target (an Omni / VL wrapper: its text tower's
+    config, converter/omni.py), else ValueError in one line."""
+    if wrapper_name(raw) is not None:
+        raw = text_config(raw, path)
     archs = raw.get("architectures") or []
     kind = raw.get("model_type")
     if "dflash_config" in raw or any("DSpark" in str(a) or "DFlash" in str(a) for a in archs):
@@ -115,16 +119,19 @@ def _refuse_foreign_files(path: Path) -> None:
                                 f"release")
 
 
-def _headers(files) -> dict:
+def _headers(path: Path, files) -> dict:
     """name -> TensorInfo over ``files``' safetensors headers, each checked whole
-    (converter/safetensors_io.read_header)."""
+    (converter/safetensors_io.read_header); an Omni wrapper's text tower alone, under its
+    plain names."""
     from ..converter.errors import ConversionError
     from ..converter.safetensors_io import read_header
 
-    tensors = {}
+    tensors, rename = {}, renamer(path)
     try:
         for f in files:
-            tensors.update(read_header(Path(f)))
+            for n, t in read_header(Path(f)).items():
+                if rename(n) is not None:
+                    tensors[rename(n)] = t
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     return tensors
@@ -132,13 +139,13 @@ def _headers(files) -> dict:
 
 def _tensor_dtypes(path: Path) -> dict:
     """name -> safetensors dtype over the directory's weight files (headers only)."""
-    return {n: t.dtype for n, t in _headers(weight_files(str(path))).items()}
+    return {n: t.dtype for n, t in _headers(path, weight_files(str(path))).items()}
 
 
 def tensor_shapes(path) -> dict:
     """name -> shape over the weight files a load reads (integrity.checkpoint_files), from
     their headers alone: what a config is checked against before any weight is read."""
-    return {n: t.shape for n, t in _headers(checkpoint_files(path)).items()}
+    return {n: t.shape for n, t in _headers(Path(path), checkpoint_files(path)).items()}
 
 
 def detect_dir(path, config: dict | None = None) -> Format:

@@ -21,6 +21,7 @@ from ..converter import hub
 from ..converter.errors import ConversionError
 from ..converter.hub import _REPO_ID
 from ..converter.layout import LAYOUT, RECEIPT_NAME, load_receipt
+from ..converter.omni import tower_name, wrapper_name
 from ..converter.quant_config import load_json
 from ..converter.receipts import load_pins, pinned_revision
 from .formats import check_target_config, detect, detect_dir
@@ -89,14 +90,18 @@ def _precheck(repo: str, revision: str | None, kind: str):
     repo's small files; a one-line error for what cannot run."""
     info = hub.inspect_repo(repo, revision)
     where = f"{repo}@{revision or 'main'}"
+    config = info.config
     if kind == "model":
-        check_target_config(info.config, where)
+        config = check_target_config(config, where)       # an Omni wrapper: its text tower's
     elif info.kind != "target":
         if info.kind is None:
             from ..converter.plan import detect_kind
             detect_kind(info.config, info.names, Path(where))          # raises: why not
         return None, info.size
-    return detect(info.config, info.names, where, info.hf_quant_config), info.size
+    names = info.names
+    if wrapper_name(info.config) is not None:
+        names = {tower_name(n): d for n, d in names.items() if tower_name(n) is not None}
+    return detect(config, names, where, info.hf_quant_config), info.size
 
 
 def _loads_as_is(local: Path, kind: str | None) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..converter.layout import mtp_pattern
+from ..converter.omni import renamer, text_config, wrapper_name
 from ..device import accumulation_dtype, on_gpu
 from .integrity import checkpoint_files
 
@@ -58,9 +59,10 @@ def weight_bytes(path, dtype, mtp: bool = False) -> tuple[int, int]:
 
     compute = mx.finfo(dtype).bits // 8
     decoded = mx.finfo(accumulation_dtype(dtype)).bits // 8     # FP8 in a float16 model: fp32
-    infos = {}
+    infos, rename = {}, renamer(path)
     for f in checkpoint_files(path):      # what the load will read; the path is no pattern
-        infos.update(read_header(Path(f)))
+        infos.update({rename(n): t for n, t in read_header(Path(f)).items()
+                      if rename(n) is not None})        # an Omni wrapper's media: not read
     total = largest = 0
     for name, t in infos.items():
         if name.startswith("mtp.") and not mtp:
@@ -101,8 +103,9 @@ def drafter_cache_bytes(config: dict, context: int, dtype) -> int:
 def _config(path) -> dict:
     try:
         with open(os.path.join(str(path), "config.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            config = json.load(f)
+        return text_config(config, path) if wrapper_name(config) else config
+    except (OSError, ValueError, AttributeError):
         return {}     # the loader reports a missing or broken config with its own message
 
 
@@ -147,6 +150,32 @@ def check_fits(model, drafter=None, dtype=mx.float32, context: int = DEFAULT_CON
         f"{model}: needs about {need / GB:.1f} GB ({parts}) but {where} is "
         f"{have / GB:.1f} GB; {hint}free memory, or use a smaller model; "
         f"memory_check=False (--no-memory-check) loads anyway")
+
+
+def media_bytes(path, dtype) -> int:
+    """Bytes an Omni parent's vision and audio towers take once media arrive (their tensors
+    as stored, float ones at least ``dtype``'s width): what a text-only load leaves out."""
+    from ..converter.safetensors_io import ITEMSIZE, read_header
+
+    rename, total = renamer(path), 0
+    compute = mx.finfo(dtype).bits // 8
+    for f in sorted(Path(path).glob("*.safetensors")):
+        if f.name.startswith(("model", "media")):
+            total += sum(t.numel * (max(ITEMSIZE[t.dtype], compute) if t.dtype in
+                                    ("BF16", "F16", "F32") else ITEMSIZE[t.dtype])
+                         for n, t in read_header(f).items() if rename(n) is None)
+    return total
+
+
+def check_media_fits(path, dtype) -> None:
+    """Raise :class:`InsufficientMemory` when the media towers will not fit beside what is
+    already loaded (asked before their first use)."""
+    need = media_bytes(path, dtype)
+    have, where = available_memory()
+    if need > have:
+        raise InsufficientMemory(f"{path}: its vision and audio towers need about "
+                                 f"{need / GB:.1f} GB but {where} is {have / GB:.1f} GB; "
+                                 f"free memory, or send text only")
 
 
 def check_download(nbytes: int, name: str) -> None:

@@ -30,8 +30,10 @@ from .integrity import verify_directory as verify_receipt
 FORMAT = "mlx-dspark-recorded/1"
 KEPT = ("config.json", "generation_config.json", "model.safetensors.index.json",
         "hf_quant_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-        "chat_template*", "vocab.*", "merges.txt")
-"""Besides the weight files, what a record covers: what the load reads (config, tokenizer)."""
+        "chat_template*", "vocab.*", "merges.txt", "preprocessor_config.json",
+        "processor_config.json")
+"""Besides the weight files, what a record covers: what the load reads (config, tokenizer,
+an Omni's media processing)."""
 WORDS = ("the hashes recorded at its first load", "since its first load")
 
 

@@ -9,8 +9,10 @@ prompt that does not fit) raise :class:`CommandError`, which the CLI prints as o
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import sys
+from pathlib import Path
 
 from ..stats import format_stats
 
@@ -41,8 +43,38 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
                                "model's chat template when the tokenizer has one (as mlx-lm)")
     template.add_argument("--chat", action="store_true",
                           help="require the chat template (an error when the model has none)")
+    media = p.add_argument_group("media", "for a Nemotron Omni model, with the omni extra "
+                                 "(pip install 'mlx-dspark[omni]'): each file goes before the "
+                                 "prompt's text in the user message, images first")
+    media.add_argument("--image", action="append", default=[], metavar="PATH",
+                       help="an image (PNG, JPEG, WebP, GIF, BMP); repeatable")
+    media.add_argument("--audio", action="append", default=[], metavar="PATH",
+                       help="an audio clip (WAV, MP3, FLAC, Ogg Vorbis); repeatable")
     add_sampling_arguments(p, max_tokens=256)
     add_stats_argument(p)
+
+
+def media_content(args: argparse.Namespace, text: str) -> tuple[list, dict]:
+    """The user message's content parts for --image and --audio, then the text; and which flag
+    each part's path in the request came from."""
+    from ..media.parts import AUDIO_FORMATS
+    content, flags = [], {}
+    for flag, paths in (("--image", args.image), ("--audio", args.audio)):
+        for path in paths:
+            try:
+                data = base64.b64encode(Path(path).read_bytes()).decode()
+            except OSError as e:
+                raise CommandError(f"{flag} {path}: cannot read it ({e.strerror or e})") \
+                    from None
+            fmt = Path(path).suffix.lower().lstrip(".")
+            if flag == "--audio" and fmt not in AUDIO_FORMATS:
+                raise CommandError(f"{flag} {path}: an audio file is one of "
+                                   f"{', '.join('.' + f for f in AUDIO_FORMATS)}")
+            flags[f"messages[-1].content[{len(content)}]"] = f"{flag} {path}"
+            content.append({"type": "image_url", "image_url": {
+                "url": f"data:image;base64,{data}"}} if flag == "--image" else
+                {"type": "input_audio", "input_audio": {"data": data, "format": fmt}})
+    return content + [{"type": "text", "text": text}], flags
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -67,11 +99,18 @@ def run_generate(args: argparse.Namespace) -> int:
 
     templated = getattr(pair.tokenizer, "has_chat_template", False) \
         and not args.ignore_chat_template
-    if args.chat or (not templated and (args.reasoning or args.system_prompt)):
+    media = args.image or args.audio
+    if args.chat or media or (not templated and (args.reasoning or args.system_prompt)):
         require_chat_template(pair, args)
+    flags = {}
     if templated:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        prompt = system + [{"role": "user", "content": prompt}]
+        if media:
+            content, flags = media_content(args, prompt)
+            flags = {k.replace("[-1]", f"[{len(system)}]"): v for k, v in flags.items()}
+            prompt = system + [{"role": "user", "content": content}]
+        else:
+            prompt = system + [{"role": "user", "content": prompt}]
     # Ctrl-C stops at the next token or prefill piece (a second one at once), so the stats
     # stay whole; a long prompt's prefill shows its progress.
     interrupt = CatchInterrupt(once=True)
@@ -82,6 +121,9 @@ def run_generate(args: argparse.Namespace) -> int:
                                    **request_options(args))
         stream = api.stream(pair, request, progress=PrefillMeter(interrupt))
     except ValueError as e:
+        where = getattr(e, "param", None)
+        if where in flags:            # a media part: named by its flag and file
+            raise CommandError(flags[where] + str(e)[len(where):]) from None
         raise flag_error(e) from None
     stats = None
     with interrupt:
@@ -299,6 +341,10 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                           help="most tokens per answer")
     add_template_arguments(defaults)
     # Exposure and connections (docs/serve.md, "Exposure")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="a Nemotron Omni model's image_url parts may name files under DIR "
+                        "(file:// URLs); without it only data URLs are read, and nothing is "
+                        "ever fetched")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages from ORIGIN (https://app.example) call the server "
                         "(CORS); '*' for any; repeatable (default: no browser origin)")

@@ -283,7 +283,9 @@ def load_pair(args: argparse.Namespace):
         drafter = "auto"            # the drafter made for this model, when one is known
     try:
         pair = api.load(args.model, drafter, dtype=args.dtype, verify=args.verify,
-                        memory_check=not args.no_memory_check, warm=False)
+                        memory_check=not args.no_memory_check, warm=False,
+                        allowed_local_media_path=getattr(args, "allowed_local_media_path",
+                                                         None))
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
     if api.kernel_cache_cold():

@@ -9,6 +9,7 @@ import time
 
 import mlx.core as mx
 
+from ..models.media_rows import step_input
 from . import pieces
 from .session import Session
 
@@ -35,7 +36,7 @@ def prefill_steps(session: Session, prompt: list[int], tap: bool, progress=None)
     report(len(session.tokens), len(prompt), 0.0)
     for end in pieces.ends(len(session.tokens), cuts + [len(prompt)], session.target):
         new = prompt[len(session.tokens):end]
-        logits, taps = session.target.step(mx.array([new]), session.cache,
+        logits, taps = session.target.step(step_input(session.target, new), session.cache,
                                            tap_layers=session.tap_layers if tap else None,
                                            last_only=True)
         session.feed(new, taps)

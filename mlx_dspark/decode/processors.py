@@ -42,9 +42,10 @@ def usable(z: mx.array) -> mx.array:
 
 
 def counts(tokens: mx.array, vocab: int) -> mx.array:
-    """How often each id occurs in ``tokens``: float32 ``[vocab]``."""
-    zeros = mx.zeros((vocab,), mx.float32)
-    return zeros if tokens.size == 0 else zeros.at[tokens].add(1.0)
+    """How often each id occurs in ``tokens``: float32 ``[vocab]`` (ids past it, a prompt's
+    media positions (models/media_rows.py), count for no token)."""
+    zeros = mx.zeros((vocab + 1,), mx.float32)
+    return (zeros if tokens.size == 0 else zeros.at[mx.minimum(tokens, vocab)].add(1.0))[:vocab]
 
 
 def bias(pairs):

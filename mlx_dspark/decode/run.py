@@ -10,6 +10,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..models.media_rows import known
 from ..request import AUTO_DRAFT, NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import costs
@@ -23,7 +24,7 @@ from .session import Session
 def check(session: Session, request: Request):
     """What only the session can tell about a request (the request checked itself)."""
     vocab = session.target.config.vocab_size
-    bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+    bad = next((t for t in request.prompt if not known(session.target, t)), None)
     if bad is not None:
         raise RequestError("prompt", f"token id {bad} is outside the model's vocabulary "
                                      f"[0, {vocab})")

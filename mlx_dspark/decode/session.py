@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
+from ..models.media_rows import text_ids
 from .controller import Controller
 from .draw import Draw
 
@@ -217,7 +218,8 @@ class Session:
         taps = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending)
         start = self.pending_start
         self.drafter.add_context(taps, start, cache=self.draft_cache,
-                                 tokens=self.tokens[start:start + taps.shape[0]])
+                                 tokens=text_ids(self.target,
+                                                 self.tokens[start:start + taps.shape[0]]))
         self.pending, self.pending_rows = [], 0
         return taps.shape[0]
 

@@ -377,7 +377,8 @@ class NemotronH(nn.Module):
         bad = [i for i in tap_layers or () if not 0 <= i < len(self.layers)]
         if bad:
             raise ValueError(f"tap layers {bad} outside 0..{len(self.layers) - 1}")
-        x = self.embed(tokens)
+        # [1, T, hidden]: embeddings with media rows in them (models/media_rows.py)
+        x = self.embed(tokens) if tokens.ndim == 2 else tokens
         taps = {}
         want = set(tap_layers or ())
         for i, layer in enumerate(self.layers):

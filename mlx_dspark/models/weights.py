@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from ..checkpoint.integrity import CheckpointError, Reads, checkpoint_files
 from ..converter.errors import ConversionError
 from ..converter.layout import GROUP_SIZE
+from ..converter.omni import renamer
 from ..converter.safetensors_io import header_of, open_regular, read_chunks, read_header
 from .quant import DenseExperts, ScaledLinear
 
@@ -26,11 +27,17 @@ def read_weights(path: str, reads: Reads | None = None, keep=None) -> tuple[dict
     each came from; with ``keep``, only the names it accepts. A tensor in two files is refused:
     a stray copy never overrides another. ``reads`` (integrity.check_checkpoint,
     recorded.check_files): the hashes each file's bytes are checked against as they are read,
-    so the tensors are made from the very bytes that were checked."""
+    so the tensors are made from the very bytes that were checked. An Omni wrapper gives its
+    text tower under the plain names; its media tensors are left unread (``mx.load`` reads a
+    tensor only when it is evaluated)."""
     reads = Reads() if reads is None else reads
-    weights, origin = {}, {}
+    weights, origin, rename = {}, {}, renamer(path)
+
+    def wanted(name):
+        return rename(name) is not None and (keep is None or keep(rename(name)))
     for f in checkpoint_files(path):
-        for k, v in read_file(f, reads.get(f), keep).items():
+        for k, v in read_file(f, reads.get(f), wanted).items():
+            k = rename(k)
             if k in origin:
                 raise CheckpointError(f"{f}: tensor {k} is also in {origin[k]}")
             weights[k] = v
@@ -166,10 +173,11 @@ def weight_gate(drafter: nn.Module, path: str, prefix: str = "") -> str:
     parameter names, ``prefix`` removed) with what ``drafter`` holds; raise on any mismatch
     or when nothing was comparable. Returns the report ``"k/k tensors match"``. A model that
     borrows its embedding has a ``shared_embedding()`` method returning the borrowed table."""
-    stored = {}
+    stored, rename = {}, renamer(path)
     for f in checkpoint_files(path):
         for name, (st_dtype, arr) in read_raw_safetensors(f).items():
-            if name.startswith(prefix):
+            name = rename(name)
+            if name is not None and name.startswith(prefix):
                 stored[name[len(prefix):]] = (f, st_dtype, arr)
     stored = _stacked(stored)
     params = dict(tree_flatten(drafter.parameters()))

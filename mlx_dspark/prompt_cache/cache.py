@@ -140,7 +140,9 @@ class PromptCache:
         if not tokens:
             return
         in_memory = self.memory is None or self.memory.touch(tokens, space, rank)
-        on_disk = self.store is None or rank == EDIT or (space, tokens) in self.store
+        # Media ids (models/media_rows.py) mean their content in this process only.
+        on_disk = self.store is None or rank == EDIT \
+            or max(tokens) >= session.target.config.vocab_size or (space, tokens) in self.store
         if in_memory and on_disk:
             return
         snap = session.snapshot()

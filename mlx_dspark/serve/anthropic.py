@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from ..media import parts
 from ..text import tools
 from . import fields
 from .answer import Answer, one_call_stops
@@ -132,6 +133,8 @@ def _messages(messages) -> list[dict]:
             at = f"{where}.content.{j}"
             if kind in ("text", "document"):
                 text.append(_text(b, at))
+            elif kind == "image" and m["role"] == "user":
+                text.append(parts.located(b, f"messages[{i}].content[{j}]"))
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue
             elif kind == "tool_use" and m["role"] == "assistant" \
@@ -144,15 +147,15 @@ def _messages(messages) -> list[dict]:
                                 "content": _result_text(b.get("content"), at)})
             else:
                 raise ApiError(f"'{at}': this server reads text, document (text source), "
-                               f"tool_use (assistant) and tool_result (user) blocks; this "
-                               f"model reads text only", at)
+                               f"image (user), tool_use (assistant) and tool_result (user) "
+                               f"blocks", at)
         if m["role"] == "assistant":
             out.append({"role": "assistant", "content": "".join(text),
                         **({"tool_calls": calls} if calls else {})})
         else:
             out += results
             if text or not results:
-                out.append({"role": m["role"], "content": "".join(text)})
+                out.append({"role": m["role"], "content": parts.content(text)})
     return out
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..models.media_rows import step_input
+
 
 def of_reply(target, request, tokens: list[int], scored: list | None) -> list[tuple]:
     """``(token, logprob, alternatives)`` for each of the reply's ``tokens`` (stop tokens
@@ -28,7 +30,7 @@ def score(target, prompt: list[int], tokens: list[int], top: int) -> list[tuple]
     if not tokens:
         return []
     cache = target.make_cache()
-    first, _ = target.step(mx.array([prompt]), cache, last_only=True)
+    first, _ = target.step(step_input(target, prompt), cache, last_only=True)
     rows = [first[0, -1:]]
     if len(tokens) > 1:
         rest, _ = target.step(mx.array([tokens[:-1]]), cache)

@@ -11,6 +11,7 @@ import math
 import time
 import uuid
 
+from ..media import parts
 from ..request import REPETITION_PENALTY, RequestError
 from ..text import tools
 from ..text.chat_template import check_template_variables
@@ -93,8 +94,8 @@ def text_chars(*values) -> int:
         value = todo.pop()
         if isinstance(value, str):
             total += len(value)
-        elif isinstance(value, dict):
-            todo.extend(value)
+        elif isinstance(value, dict) and not parts.is_media(value):   # media: counted once
+            todo.extend(value)                                          # encoded
             todo.extend(value.values())
         elif isinstance(value, (list, tuple)):
             todo.extend(value)
@@ -184,14 +185,16 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}
 
 
-def _content(content, where: str, empty_ok: bool = False) -> str:
-    if isinstance(content, list):       # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text"
-                   and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(f"'{where}' parts must be text parts "
-                           f"({{\"type\": \"text\", \"text\": ...}}); this model "
-                           f"reads text only", where)
-        content = "".join(p["text"] for p in content)
+def _content(content, where: str, empty_ok: bool = False) -> str | list:
+    if isinstance(content, list):       # content parts: text, images (data URLs), audio
+        bad = next((j for j, p in enumerate(content) if not parts.is_media(p) and not (
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))),
+            None)
+        if bad is not None:
+            raise ApiError(f"'{where}[{bad}]' must be a text, image_url or input_audio part",
+                           f"{where}[{bad}]")
+        return parts.content([parts.located(p, f"{where}[{j}]") if parts.is_media(p)
+                              else p["text"] for j, p in enumerate(content)])
     if content is None:
         content = ""
     if not isinstance(content, str):

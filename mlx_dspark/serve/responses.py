@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..decode import grammar, tool_grammar
+from ..media import parts
 from ..request import RequestError
 from ..text import tools
 from . import fields
@@ -114,7 +115,7 @@ def _input(items) -> list[dict]:
                 raise ApiError(f"'{where}.role' must be one of {', '.join(ROLES)}",
                                f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"),
-                                                        f"{where}.content")})
+                                                        f"{where}.content", media=True)})
         elif kind in CALLS:
             if not isinstance(item.get("name"), str):
                 raise ApiError(f"'{where}.name' must be a string", f"{where}.name")
@@ -137,21 +138,24 @@ def _input(items) -> list[dict]:
     return out
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, media: bool = False) -> str | list:
+    """Text, or with ``media`` (a message's content) text and input_image parts."""
     if content is None or isinstance(content, str):
         return content or ""
+    kinds = " (input_text, output_text" + (", input_image)" if media else ")")
     if not isinstance(content, list):
-        raise ApiError(f"'{where}' must be a string or text parts (input_text, output_text); "
-                       f"this model reads text only", where)
+        raise ApiError(f"'{where}' must be a string or parts{kinds}", where)
     out = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
-            raise ApiError(f"'{at}' must be a text part (input_text, output_text); this "
-                           f"model reads text only", at)
-        out.append(typed(part, "text", (str,), at=at) or
-                   typed(part, "refusal", (str,), at=at) or "")
-    return "".join(out)
+        if media and parts.is_media(part) and part.get("type") == "input_image":
+            out.append(parts.located(part, at))
+        elif isinstance(part, dict) and part.get("type") in TEXT_PARTS:
+            out.append(typed(part, "text", (str,), at=at) or
+                       typed(part, "refusal", (str,), at=at) or "")
+        else:
+            raise ApiError(f"'{at}' must be a part{kinds}", at)
+    return parts.content(out)
 
 
 def _arguments(args, where: str) -> dict:

@@ -101,6 +101,8 @@ class Server:
                 else:
                     ids = await run_in_threadpool(chat_ids, self.tokenizer, prompt, template,
                                                   asked.use, asked.prefill)
+        except RequestError as e:       # a media part that cannot be read, named
+            raise ApiError(str(e), e.param) from None
         except Exception as e:   # no chat template, or the template refuses the messages
             raise ApiError(f"'{where}' cannot be encoded: "
                            f"{' '.join(str(e).split()) or type(e).__name__}", where) from None

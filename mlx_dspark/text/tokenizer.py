@@ -6,10 +6,12 @@ checkpoint's own ``tokenizer_config.json``."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from ..open_files import import_mlx_lm
+from ..media.parts import MediaError, first_media, has_media, split, why_no_media
 from ..request import RequestError
 from . import reasoning
 from .chat_template import render
@@ -27,6 +29,11 @@ def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
                                               "tokenizer_config.json")):
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model "
                                 f"or tokenizer_config.json)")
+    # transformers reads config.json too and warns that an Omni wrapper's model_type is not
+    # one it knows; the tokenizer does not depend on it.
+    config_log = logging.getLogger("transformers.configuration_utils")
+    level = config_log.level
+    config_log.setLevel(logging.ERROR)
     try:
         tokenizer = _load(path, {"trust_remote_code": False})
     except Exception as e:  # transformers raises many kinds; name the directory once
@@ -34,6 +41,8 @@ def load_tokenizer(path, vocab_size: int | None = None) -> TokenizerWrapper:
             raise ValueError(f"{path}: the tokenizer needs code shipped with the checkpoint "
                              f"(tokenizer_config.json auto_map); mlx-dspark never runs it") from None
         raise ValueError(f"{path}: cannot load the tokenizer: {e}") from e
+    finally:
+        config_log.setLevel(level)
     # The loop checks prompts against the model's own context limit; the tokenizer's
     # model_max_length would only add a transformers warning on long prompts.
     tokenizer._tokenizer.model_max_length = sys.maxsize
@@ -120,8 +129,15 @@ def encode_chat(tokenizer, messages: list[dict], options: dict) -> tuple[list[in
     an ``enable_thinking`` option, mlx-lm's wrapper turns thinking on when the vocabulary has
     a ``<think>`` token (Nemotron's does; the demo pair's spells it in pieces, so its chats
     think only when asked)."""
+    if not has_media(messages):
+        text = render(tokenizer, messages, options)
+        return _encode(tokenizer, text), text
+    encoder = getattr(tokenizer, "media", None)
+    if encoder is None:
+        raise MediaError(first_media(messages), why_no_media())
+    messages, media = split(messages, encoder.allowed)
     text = render(tokenizer, messages, options)
-    return _encode(tokenizer, text), text
+    return encoder.expand(_encode(tokenizer, text), media), text
 
 
 def _encode(tokenizer, text: str) -> list[int]:
