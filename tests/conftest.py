@@ -95,6 +95,9 @@ def _heavy() -> dict:
                subprocess.check_output, pexpect.spawn, pexpect.popen_spawn.PopenSpawn]
     model = [api.load, nemotron_h.load_target, drafters.load_drafter, common.load_pair,
              weights.read_weights, mx.load, cli.main]
+    if importlib.util.find_spec("mlx_vlm") is not None:     # the omni extra's own loader
+        from mlx_vlm.utils import load_model as mlx_vlm_load
+        model.append(mlx_vlm_load)
     server = [Engine, create_app, TestClient]
     # a whole network, even a tiny random one (mlx_dspark/testing/toy.py): decoding on it is
     # what makes a test take seconds
