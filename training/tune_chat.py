@@ -43,7 +43,12 @@ OUT = WORK / "target_tuned_hf"
 
 def chat_batch(split, step, n=BATCH):
     """Padded rows of n chat examples; labels -100 on the prompt and the padding."""
-    examples = [chat_data.example(split, step * n + i) for i in range(n)]
+    return padded([chat_data.example(split, step * n + i) for i in range(n)])
+
+
+def padded(examples):
+    """(prompt ids, answer ids) pairs as padded rows; labels -100 on the prompt and the padding."""
+    n = len(examples)
     width = max(len(p) + len(a) for p, a in examples)
     ids = torch.zeros((n, width), dtype=torch.long)
     labels = torch.full((n, width), -100)
@@ -58,15 +63,18 @@ def answer_loss(model, ids, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def unlikelihood(model, step):
+def ul_prompts(step):
+    return [chat_data.example("train", 10**6 + step * UL_BATCH + i)[0] for i in range(UL_BATCH)]
+
+
+def unlikelihood(model, prompts, max_tokens=UL_TOKENS):
     """-log(1 - p) at each token of the model's greedy answer that repeats a 4-gram."""
-    prompts = [chat_data.example("train", 10**6 + step * UL_BATCH + i)[0] for i in range(UL_BATCH)]
     eos = chat_data.tokenizer().eos_token_id
     model.eval()
     seqs = []
     with torch.no_grad():
         for p in prompts:  # one at a time: no left padding for the recurrent layers
-            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=UL_TOKENS, do_sample=False,
+            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                        pad_token_id=0, eos_token_id=eos)[0, len(p):])
     model.train()
     total, count, bad_n = 0.0, 0, 0
@@ -102,7 +110,7 @@ def main():
     while step < args.steps:
         rep = None
         if args.ul_every and step % args.ul_every == args.ul_every - 1:
-            loss, rep = unlikelihood(model, step)
+            loss, rep = unlikelihood(model, ul_prompts(step))
         elif step % 2:
             x = batch(stream, step, BATCH, SEED)
             loss = model(x[:, :-1], labels=x[:, :-1].clone()).loss
