@@ -31,16 +31,16 @@ SEED = 4141
 MAX_TOKENS = 640     # prompt + reply; longer draws are redrawn
 THINK_SHARE = 0.25
 
-# Generated tools: (names, descriptions, main parameter names) per action.
-NAMES = {
-    "read": ["read_file", "cat", "view_file", "open_file", "get_file", "file_contents", "readfile",
-             "print_file", "read_text", "fetch_file"],
-    "list": ["list_files", "ls", "list_dir", "list_directory", "dir", "listdir", "files_in",
-             "glob_dir"],
-    "run": ["run", "shell_exec", "terminal", "run_command", "exec", "execute", "sh", "cmd",
-            "run_shell"],
-    "write": ["write_file", "save_file", "create_file", "put_file", "writefile", "store"],
-}
+# Generated tools: names made of a verb and a noun (so many that the model copies the name from
+# the tools section rather than remembering it), descriptions and main parameter names per action.
+VERBS = {"read": ["read", "view", "cat", "open", "get", "load", "fetch", "print", "peek"],
+         "list": ["list", "ls", "dir", "scan", "glob", "enumerate", "index"],
+         "run": ["run", "exec", "execute", "sh", "shell", "cmd", "bash", "spawn", "launch"],
+         "write": ["write", "save", "create", "put", "store", "emit", "make"]}
+NOUNS = {"read": ["file", "text", "contents", "doc", "page", "data"],
+         "list": ["files", "dir", "directory", "folder", "entries", "tree"],
+         "run": ["command", "terminal", "cmd", "process", "script", "task"],
+         "write": ["file", "text", "contents", "doc", "output", "note"]}
 DESCRIPTIONS = {
     "read": ["Read a file and return its contents.", "Return the text of a file.",
              "Print a file.", "Reads a file from the local filesystem.",
@@ -53,10 +53,12 @@ DESCRIPTIONS = {
               "Save content to a file.", "Writes a file to the local filesystem."],
 }
 PARAMS = {
-    "read": ["path", "file", "file_path", "filename", "filePath", "name"],
-    "list": ["path", "dir", "directory", "folder", "dir_path"],
-    "run": ["command", "cmd", "script", "shell_command", "line"],
-    "write": ["path", "file", "file_path", "filename", "filePath"],
+    "read": ["path", "file", "file_path", "filename", "filePath", "name", "fname", "src", "uri",
+             "relative_path", "absolute_path", "file_name", "p"],
+    "list": ["path", "dir", "directory", "folder", "dir_path", "root", "dirname", "base"],
+    "run": ["command", "cmd", "script", "shell_command", "line", "cmdline", "argv_string", "code",
+            "bash_command", "program"],
+    "write": ["path", "file", "file_path", "filename", "filePath", "out", "out_path", "file_name"],
 }
 CONTENT_PARAMS = ["content", "text", "data", "contents", "body"]
 
@@ -132,8 +134,14 @@ def files(split):
     return sorted({n for n in names if "/" not in n} | {"/".join(n.split("/")[-2:]) for n in names})
 
 
+def tool_name(action, rng):
+    verb, noun = rng.choice(VERBS[action]), rng.choice(NOUNS[action])
+    form = rng.randrange(4)
+    return [verb, f"{verb}_{noun}", f"{verb}{noun.title()}", f"{noun}_{verb}"][form]
+
+
 def make_tool(action, rng):
-    name = rng.choice(NAMES[action])
+    name = tool_name(action, rng)
     params = [(rng.choice(PARAMS[action]), "string", "The " + {"read": "file to read", "list": "directory",
                                                               "run": "command", "write": "file"}[action])]
     if action == "write":
@@ -294,8 +302,9 @@ def example(split: str, index: int):
 def check_heldout():
     """No held-out tool name or parameter name is a training one, no held-out request a
     training phrasing."""
-    train_names = {n for names in NAMES.values() for n in names} | {
-        t["function"]["name"] for s in AGENT_SETS for t in s.values()}
+    train_names = {t["function"]["name"] for s in AGENT_SETS for t in s.values()} | {
+        name for a in VERBS for v in VERBS[a] for n in NOUNS[a]
+        for name in (v, f"{v}_{n}", f"{v}{n.title()}", f"{n}_{v}")}
     train_params = {p for ps in PARAMS.values() for p in ps} | set(CONTENT_PARAMS)
     for tools in HELDOUT_TOOLS:
         for t in tools:

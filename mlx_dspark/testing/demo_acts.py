@@ -26,7 +26,7 @@ HELDOUT_TOOLS = [
               [("commandline", "string", "What to start")])],
     [function("browse", "Show what a folder holds.", [("where", "string", "Which folder")]),
      function("slurp", "Load a whole file as text.", [("target", "string", "Which file")])],
-    [function("terminal_run", "Send a line to the terminal.",
+    [function("console_send", "Send a line to the terminal.",
               [("input_line", "string", "The line")]),
      function("dump", "Put text into a file.", [("dest", "string", "The file"),
                                                 ("payload", "string", "The text")],
