@@ -134,7 +134,13 @@ def files(split):
     return sorted({n for n in names if "/" not in n} | {"/".join(n.split("/")[-2:]) for n in names})
 
 
+SYLLABLES = ["ka", "lo", "mir", "te", "zu", "pan", "dro", "vi", "sel", "qua", "bo", "rin", "ex", "tal"]
+RANDOM_NAMES = False    # tune_tools.py --random-names: generated tools get meaningless names
+
+
 def tool_name(action, rng):
+    if RANDOM_NAMES:   # nothing to remember: the name can only be copied from the tools section
+        return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))) + rng.choice(["", "_x", "2"])
     verb, noun = rng.choice(VERBS[action]), rng.choice(NOUNS[action])
     form = rng.randrange(4)
     return [verb, f"{verb}_{noun}", f"{verb}{noun.title()}", f"{noun}_{verb}"][form]

@@ -74,7 +74,10 @@ def kind(step):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--random-names", action="store_true",
+                    help="generated tools get meaningless names (tool_data.RANDOM_NAMES)")
     args = ap.parse_args()
+    tool_data.RANDOM_NAMES = args.random_names
 
     def step_loss(model, stream, step):
         if kind(step) == "ul":
