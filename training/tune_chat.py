@@ -43,7 +43,12 @@ OUT = WORK / "target_tuned_hf"
 
 def chat_batch(split, step, n=BATCH):
     """Padded rows of n chat examples; labels -100 on the prompt and the padding."""
-    examples = [chat_data.example(split, step * n + i) for i in range(n)]
+    return padded([chat_data.example(split, step * n + i) for i in range(n)])
+
+
+def padded(examples):
+    """(prompt ids, answer ids) pairs as padded rows; labels -100 on the prompt and the padding."""
+    n = len(examples)
     width = max(len(p) + len(a) for p, a in examples)
     ids = torch.zeros((n, width), dtype=torch.long)
     labels = torch.full((n, width), -100)
@@ -58,18 +63,21 @@ def answer_loss(model, ids, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def unlikelihood(model, step):
+def ul_prompts(step):
+    return [chat_data.example("train", 10**6 + step * UL_BATCH + i)[0] for i in range(UL_BATCH)]
+
+
+def unlikelihood(model, prompts, max_tokens=UL_TOKENS):
     """-log(1 - p) at each token of the model's greedy answer that repeats a 4-gram."""
-    prompts = [chat_data.example("train", 10**6 + step * UL_BATCH + i)[0] for i in range(UL_BATCH)]
     eos = chat_data.tokenizer().eos_token_id
     model.eval()
     seqs = []
     with torch.no_grad():
         for p in prompts:  # one at a time: no left padding for the recurrent layers
-            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=UL_TOKENS, do_sample=False,
+            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                        pad_token_id=0, eos_token_id=eos)[0, len(p):])
     model.train()
-    total, count, bad_n = 0.0, 0, 0
+    total, count, bad_n = torch.zeros(()), 0, 0   # a tensor even when nothing repeats
     for p, cont in zip(prompts, seqs):
         cont = cont.tolist()
         if eos in cont:
@@ -86,28 +94,21 @@ def unlikelihood(model, step):
     return total / max(count, 1), bad_n / max(count, 1)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--ul-every", type=int, default=0, help="every n-th step an unlikelihood one")
-    args = ap.parse_args()
+def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY):
+    """The tuning loop of steps 3c and 3d from the shipped target's exported weights:
+    ``step_loss(model, stream, step)`` gives (loss, repeated 4-gram share or None), every 20th
+    step prints the answer loss of ``held_out()``'s batch; AdamW at constant ``lr``; checkpoints
+    to ``ckpt`` every ``ckpt_every`` steps and resumes from it. Returns the model."""
     torch.set_num_threads(THREADS)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     stream = tokens("train")
     model = load_dequantized()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
-    step = resume(CKPT, model, opt)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step = resume(ckpt, model, opt)
     t0 = time.time()
-    while step < args.steps:
-        rep = None
-        if args.ul_every and step % args.ul_every == args.ul_every - 1:
-            loss, rep = unlikelihood(model, step)
-        elif step % 2:
-            x = batch(stream, step, BATCH, SEED)
-            loss = model(x[:, :-1], labels=x[:, :-1].clone()).loss
-        else:
-            loss = answer_loss(model, *chat_batch("train", step))
+    while step < steps:
+        loss, rep = step_loss(model, stream, step)
         opt.zero_grad(set_to_none=True)
         if loss.requires_grad:
             loss.backward()
@@ -117,15 +118,33 @@ def main():
         if step % 20 == 1:
             with torch.no_grad():
                 model.eval()
-                held = answer_loss(model, *chat_batch("heldout", 0, 16)).item()
+                held = answer_loss(model, *held_out()).item()
                 model.train()
-            print(f"step {step} chat loss {loss.item():.3f} held-out chat loss {held:.3f} "
+            print(f"step {step} loss {loss.item():.3f} held-out answer loss {held:.3f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
         if rep is not None:
             print(f"step {step} unlikelihood {float(loss):.4f} repeated share {rep:.3f}", flush=True)
-        if step % CKPT_EVERY == 0 or step == args.steps:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, CKPT)
-    save_target(model, OUT, {"chat_tune_steps": step, "lr": LR, "batch": BATCH,
+        if step % ckpt_every == 0 or step == steps:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--ul-every", type=int, default=0, help="every n-th step an unlikelihood one")
+    args = ap.parse_args()
+
+    def step_loss(model, stream, step):
+        if args.ul_every and step % args.ul_every == args.ul_every - 1:
+            return unlikelihood(model, ul_prompts(step))
+        if step % 2:
+            x = batch(stream, step, BATCH, SEED)
+            return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
+        return answer_loss(model, *chat_batch("train", step)), None
+
+    model = tune(args.steps, SEED, CKPT, step_loss, lambda: chat_batch("heldout", 0, 16))
+    save_target(model, OUT, {"chat_tune_steps": args.steps, "lr": LR, "batch": BATCH,
                              "ul_every": args.ul_every, "ul_batch": UL_BATCH, "ul_tokens": UL_TOKENS,
                              "heldout_chat_loss": answer_loss(model.eval(), *chat_batch("heldout", 0, 16)).item()})
 

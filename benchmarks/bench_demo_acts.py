@@ -1,0 +1,48 @@
+"""The demo pair's held-out acts (issue 41): tool calls through the server's tool path (right
+tool and argument on "auto", a forced call that closes within 64 tokens, an answer after the
+tool's result that stops within 128), thinking that closes within 64 tokens, and the share of
+distinct 4-grams in 64 greedy tokens on the README's and docs' example prompts plus 20 held-out
+chat prompts (mlx_dspark/testing/demo_acts.py holds the prompts and the checks). Prints JSON.
+
+    python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx_dspark as md
+from mlx_dspark.testing import demo_acts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--pair", metavar="DIR", help="a folder holding target/ and drafter/")
+    args = p.parse_args(argv)
+
+    def load():
+        return md.load(f"{args.pair}/target", f"{args.pair}/drafter") if args.pair else md.load()
+
+    engine, client = demo_acts.served(load)
+    try:
+        tools = demo_acts.tool_checks(client, "mlx-dspark-demo")
+        thinking = demo_acts.thinking_checks(client, "mlx-dspark-demo")
+    finally:
+        engine.stop()
+    for row in tools:
+        print(json.dumps(row), flush=True)
+    for row in thinking:
+        print(json.dumps(row), flush=True)
+    loops = demo_acts.loop_checks(load())
+    print(json.dumps(loops["each"], indent=0))
+    summary = {
+        "right_tool_and_argument": f"{sum(r['right'] for r in tools)}/{len(tools)}",
+        "forced_calls_closed_within_64": f"{sum(r['forced_closed'] for r in tools)}/{len(tools)}",
+        "answers_stopped_within_128": f"{sum(r['answer_finish'] == 'stop' for r in tools)}/{len(tools)}",
+        "thinking_closed_within_64": f"{sum(r['closed'] for r in thinking)}/{len(thinking)}",
+        "distinct_4grams_worst": loops["worst"], "distinct_4grams_mean": loops["mean"]}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
