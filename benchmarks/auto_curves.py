@@ -27,7 +27,7 @@ def main():
     args = ap.parse_args()
     import mlx_dspark as md
     from mlx_dspark.decode import costs
-    from mlx_dspark.decode.length import median
+    from mlx_dspark.policy.length import median
 
     curves = {}
     for name in DRAFTERS:

@@ -7,7 +7,7 @@ to first byte and keep-alive cadence of a streamed /v1/messages request on a lon
 
 The clients are installed with npm into ``--dir`` (its ``package.json`` pins them; never into
 the runtime), and each runs in a fresh ``HOME`` with a dummy key: no login, no network beyond
-127.0.0.1. The turns run on the scripted stand-in target (``mlx_dspark.testing.scripted``: it
+127.0.0.1. The turns run on the scripted stand-in target (``testkit.scripted``: it
 writes a call to the client's shell tool, then an answer, since the tiny demo model never
 writes a valid call); the long prompt runs on the demo pair, and the request is dropped after
 ``--pings`` keep-alives (its prefill stops at the next piece)."""
@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_dspark.testing.server import launch, stop  # noqa: E402
+from testkit.server import launch, stop  # noqa: E402
 
 PACKAGES = {"@anthropic-ai/claude-code": "2.1.197", "@openai/codex": "0.171.0",
             "opencode-ai": "1.18.33"}
@@ -58,7 +58,7 @@ def scripted(replies: list[str], cache_mb: int = 0):
     path = Path(tempfile.mkdtemp()) / "replies.json"
     path.write_text(json.dumps(replies))
     return launch(["--prefix-cache-mb", str(cache_mb)],
-                  command=("mlx_dspark.testing.scripted", str(path)),
+                  command=("testkit.scripted", str(path)),
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -121,7 +121,8 @@ def codex_turn(codex: Path) -> dict:
             "ran_ls": "README.md" in text, "answered": ANSWER in text, "tail": text[-600:]}
 
 
-def together(bins: dict, prompt: str = "Read README.md and say what this project is.") -> dict:
+def together(bins: dict, prompt: str = "Read README.md and say what this project is.",
+             max_tokens: int = 256, seconds: float = 300) -> dict:
     """Claude Code (Anthropic Messages, adaptive thinking) and opencode (chat completions)
     against one ``serve --max-batch 4`` on the demo pair at once: each client's exit and
     answer, and the batch as /health showed it while both ran (``both_in_one_batch``: a
@@ -133,9 +134,13 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
         "$schema": "https://opencode.ai/config.json", "model": "dspark/mlx-dspark-demo",
         "provider": {"dspark": {"npm": "@ai-sdk/openai-compatible", "name": "mlx-dspark",
                                 "options": {"baseURL": f"{url}/v1", "apiKey": "sk-local"},
-                                "models": {"mlx-dspark-demo": {"name": "mlx-dspark demo"}}}}}))
+                                "models": {"mlx-dspark-demo": {
+                                    "name": "mlx-dspark demo",
+                                    "limit": {"context": 65536, "output": max_tokens}}}}}}))
+    # each reply bounded (the demo model writes until its limit): the point is the batch
     env = dict(os.environ, HOME=str(home), PWD=str(work), ANTHROPIC_BASE_URL=url,
-               ANTHROPIC_API_KEY="sk-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+               ANTHROPIC_API_KEY="sk-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+               CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(max_tokens))
     runs = {"claude_code": [bins["claude"], "--allowedTools", "Read", "-p", prompt],
             "opencode": [bins["opencode"], "run", prompt]}
     sizes, t0 = [], time.monotonic()
@@ -145,17 +150,15 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
                  for name, cmd in runs.items()}
         with httpx.Client(base_url=url, timeout=30) as http:
             while any(p.poll() is None for p in procs.values()) and \
-                    time.monotonic() - t0 < 600:
-                batch = http.get("/health").json()["batch"]
-                sizes.append(batch["size"])
+                    time.monotonic() - t0 < seconds:
+                sizes.append(http.get("/health").json()["batch"]["size"])
                 time.sleep(0.05)
-        out = {name: {"exit": p.wait(timeout=60), "tail": p.stdout.read()[-400:]}
-               for name, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
         stop(proc)
+    out = {name: {"exit": p.wait(), "tail": p.stdout.read()[-400:]} for name, p in procs.items()}
     return {**out, "seconds": round(time.monotonic() - t0, 1), "largest_batch": max(sizes),
             "both_in_one_batch": max(sizes) >= 2,
             "share_of_samples_with_2_rows": round(sum(n >= 2 for n in sizes) / len(sizes), 3)}

@@ -8,10 +8,14 @@ prompt domain (the bench's prompts, greedy). What tests/test_auto_bound.py asser
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import json
 
 from auto_curves import FIXTURE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
 
 
 def main():
@@ -22,7 +26,7 @@ def main():
     args = ap.parse_args()
     import mlx_dspark as md
     from mlx_dspark.cli.bench import PROMPTS, _ids
-    from mlx_dspark.testing.modelled import against_best, rates
+    from testkit.modelled import against_best, rates
 
     curves = json.loads(FIXTURE.read_text())
     builds = list(curves)            # stock, openblas: one curve per drafter each

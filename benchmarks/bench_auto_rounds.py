@@ -27,7 +27,7 @@ def main():
     time.perf_counter = time.process_time      # the loop's clock too, before it is read
     import mlx_dspark as md
     from mlx_dspark.cli.bench import PROMPTS
-    from mlx_dspark.decode import controller
+    from mlx_dspark.policy import controller
 
     modes = [1, 2, 3, "auto"]
     pair = md.load(drafter=args.drafter)

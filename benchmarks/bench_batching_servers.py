@@ -35,7 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlx_dspark.testing.server import launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.server import launch
 
 CODE = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):",
         "class Stack:\n    def __init__(self):", "def quicksort(xs):",
@@ -60,7 +61,7 @@ def dense_weights(out: Path) -> Path:
     """The demo target's weights, dequantized exactly to float32 (a Hugging Face directory)
     and converted by ``mlx_lm.convert`` without quantization: what both servers load."""
     from mlx_dspark.api import DEMO
-    from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert
+    from testkit.mlx_lm_layouts import dense_hf, mlx_lm_convert
     return mlx_lm_convert(dense_hf(DEMO / "target", out / "hf-fp32"), out / "mlx-lm-fp32",
                           dtype="float32")
 
@@ -74,8 +75,8 @@ def real_width_weights(out: Path) -> Path:
 
     from mlx_dspark.api import DEMO
     from mlx_dspark.converter.convert import convert
-    from mlx_dspark.testing.mlx_lm_layouts import TOKENIZER_FILES, dense_hf, mlx_lm_convert
-    from mlx_dspark.testing.synthetic import synth_lightning
+    from testkit.mlx_lm_layouts import TOKENIZER_FILES, dense_hf, mlx_lm_convert
+    from testkit.synthetic import synth_lightning
     synth_lightning(out / "src", pattern="M*EM", experts=8, vocab=4096)
     convert(str(out / "src"), out / "converted", progress=False)
     hf = dense_hf(out / "converted", out / "hf-fp32")

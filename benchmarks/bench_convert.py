@@ -149,7 +149,7 @@ def main():
         largest = make_source(src, args.gb)
         src_bytes = sum(p.stat().st_size for p in src.iterdir())
         tiny = root / "tiny"
-        make_tiny = [py, "-c", "import sys; from mlx_dspark.testing.synthetic import synth_target;"
+        make_tiny = [py, "-c", "import sys; from testkit.synthetic import synth_target;"
                      "synth_target(sys.argv[1])", str(tiny)]
         subprocess.run(make_tiny, check=True, cwd=Path(__file__).resolve().parents[1])
         _, overhead, _ = run_child(CONVERT, "convert", str(tiny), "-o", str(root / "tiny-out"),

@@ -2,17 +2,20 @@
 tool and argument on "auto", a forced call that closes within 64 tokens, an answer after the
 tool's result that stops within 128), thinking that closes within 64 tokens, and the share of
 distinct 4-grams in 64 greedy tokens on the README's and docs' example prompts plus 20 held-out
-chat prompts (mlx_dspark/testing/demo_acts.py holds the prompts and the checks). Prints JSON.
+chat prompts (testkit/demo_acts.py holds the prompts and the checks). Prints JSON.
 
     python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import json
 
 import mlx_dspark as md
-from mlx_dspark.testing import demo_acts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit import demo_acts
 
 
 def main(argv=None):

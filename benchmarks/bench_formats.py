@@ -4,7 +4,7 @@ loaded by mlx-dspark and (where it can) by mlx-lm, at float32.
 The NVFP4 original is the embedded demo target (NVIDIA's W4A16 NVFP4 layout converted by
 ``mlx-dspark convert``). Its weights, dequantized exactly, make a plain Hugging Face directory
 in float32 (with the MTP block); ``mlx_lm.convert`` turns that into each of
-``mlx_dspark.testing.mlx_lm_layouts.FORMATS``. Per format: whether it loads, the largest
+``testkit.mlx_lm_layouts.FORMATS``. Per format: whether it loads, the largest
 logit difference from mlx-lm's ``nemotron_h`` on the same files (relative to the largest
 logit; the original is compared with mlx-lm on its dequantized copy), whether greedy decoding
 gives mlx-lm's tokens, and the demo DSpark drafter's tokens per round against it (greedy,
@@ -29,7 +29,8 @@ import mlx_dspark as md
 from mlx_dspark.api import DEMO
 from mlx_dspark.cli.bench import PROMPTS as BENCH_PROMPTS
 from mlx_dspark.open_files import import_mlx_lm
-from mlx_dspark.testing.mlx_lm_layouts import make_all
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.mlx_lm_layouts import make_all
 
 PROMPTS = [*BENCH_PROMPTS["code"], "import os\n\n\ndef read_lines(path):",
            "def parse_args(argv):\n    parser = ", "class Config:\n    def __init__(self, path):\n",

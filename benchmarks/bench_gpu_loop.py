@@ -17,6 +17,7 @@ tensor scales). Greedy; medians after a warm-up, implementations interleaved per
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/bench_gpu_loop.py ...
 """
 
+from pathlib import Path
 import argparse
 import importlib
 import importlib.util
@@ -31,7 +32,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from bench_loop import DEMO_SHAPE
-from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 PROMPT = [(37 * i) % 4000 + 11 for i in range(40)]
 

@@ -269,7 +269,7 @@ def loop_mask_cost(tokenizer_json: str, vocab: int, eos: int) -> float:
     import mlx.core as mx
     from tokenizers import Tokenizer
 
-    from mlx_dspark.decode import grammar
+    from mlx_dspark.grammar import grammars as grammar
 
     class Wrapped:      # what grammar.vocabulary reads of a tokenizer
         def __init__(self):
@@ -307,7 +307,7 @@ LOOP_PROMPTS = ["def f(x):", "import json\n", "class Stack:\n", "for i in range(
 
 def demo_loop(repeats: int = 3):
     import mlx_dspark as md
-    from mlx_dspark.decode import grammar
+    from mlx_dspark.grammar import grammars as grammar
 
     pair = md.load()
     masks = []

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import json
 import resource
@@ -22,7 +24,8 @@ import time
 
 import httpx
 
-from mlx_dspark.testing.server import launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.server import launch
 
 CHAT = "/v1/chat/completions"
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}

@@ -3,7 +3,7 @@
     python benchmarks/bench_integrity.py --gb 2.5 --work /tmp/integrity-bench
 
 Builds a synthetic ModelOpt target whose embedding and lm_head are widened to about ``--gb``
-GB (mlx_dspark.testing.synthetic, random BF16 rows), converts it with ``mlx-dspark convert``, then
+GB (testkit.synthetic, random BF16 rows), converts it with ``mlx-dspark convert``, then
 times, per level, the receipt check alone and the whole ``load_target`` (medians of
 ``--repeats`` after one warm-up load, so every run reads from the page cache). Deletes the
 work directory at the end unless ``--keep``."""
@@ -21,7 +21,8 @@ import numpy as np
 
 from mlx_dspark.converter import convert
 from mlx_dspark.checkpoint.integrity import receipt_outputs, verify_outputs
-from mlx_dspark.testing.synthetic import H, synth_target
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.synthetic import H, synth_target
 
 
 def widen_vocab(rows: int):

@@ -1,5 +1,5 @@
 """A latent MoE (``moe_latent_size``) in every layout against mlx-lm's own ``nemotron_h`` on the
-same weights (docs/formats.md, "Latent MoE"): the toy of mlx_dspark/testing/latent.py saved as
+same weights (docs/formats.md, "Latent MoE"): the toy of testkit/latent.py saved as
 Hugging Face, converted by ``mlx_lm.convert`` and exported as ModelOpt NVFP4 then converted by
 ``mlx-dspark convert``. Per layout: the largest logit difference relative to the largest logit,
 the largest next-token log-probability difference (float32, a 20-token prompt), whether 24
@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_dspark as md  # noqa: E402
 from mlx_dspark.converter import convert  # noqa: E402
 from mlx_dspark.open_files import import_mlx_lm  # noqa: E402
-from mlx_dspark.testing.latent import mlx_lm_model_on, modelopt_nvfp4, save_hf  # noqa: E402
-from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy  # noqa: E402
-from mlx_dspark.testing.oracle_drafter import OracleDrafter  # noqa: E402
+from testkit.latent import mlx_lm_model_on, modelopt_nvfp4, save_hf  # noqa: E402
+from testkit.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy  # noqa: E402
+from testkit.oracle_drafter import OracleDrafter  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 2, 7, 8, 11, 40, 41, 42, 43, 60, 61, 3, 4, 5, 6, 7, 8]
 MLX_LM = {"mlx-lm fp32": dict(dtype="float32"), "mlx-lm bf16": dict(dtype="bfloat16"),

@@ -6,6 +6,8 @@ time, alternately, so load swings fall on both; medians of the request times and
                                            [--speculative off]
 """
 
+import sys
+from pathlib import Path
 import argparse
 import json
 import statistics
@@ -14,7 +16,8 @@ import time
 
 import httpx
 
-from mlx_dspark.testing.server import launch, stop
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.server import launch, stop
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
 

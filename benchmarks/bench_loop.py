@@ -11,6 +11,7 @@ target of the demo's shape (Nemotron-H "MEM*EM", hidden 192, vocab 4096; fp32).
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/bench_loop.py
 """
 
+from pathlib import Path
 import argparse
 import json
 import os
@@ -19,9 +20,10 @@ import sys
 import mlx.core as mx
 
 from mlx_dspark.cli.measure import format_rows
-from mlx_dspark.testing.compare import compare
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.compare import compare
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter, tiny_target
 
 DEMO_SHAPE = dict(pattern="MEM*EM", vocab_size=4096, hidden_size=192, intermediate_size=256,
                   moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,

@@ -3,7 +3,7 @@
     python benchmarks/bench_omni.py oracle          # log-prob differences against mlx-vlm
     python benchmarks/bench_omni.py memory DIR      # memory without media, then with an image
 
-``oracle``: a tiny random Omni (mlx_dspark.testing.omni.tiny_omni), each prompt through
+``oracle``: a tiny random Omni (testkit.omni.tiny_omni), each prompt through
 mlx-dspark and through mlx-vlm's own Omni forward; the largest |log-prob difference| over every
 position and at the last one. ``memory``: a random Omni with full-size towers (mlx-vlm's RADIO
 v2.5-h and Parakeet defaults, the Nano Omni sizes; 1.29 G parameters, BF16) beside a toy text
@@ -25,9 +25,18 @@ import mlx.core as mx
 import mlx_dspark as md
 from mlx_dspark.checkpoint import memory
 from mlx_dspark.models.media_rows import step_input, text_ids
-from mlx_dspark.testing.omni import (PREPROCESSOR, audio_part, hf_names, image_part, png,
-                                     tiny_omni, tiny_omni_config, tiny_tokenizer, user,
-                                     vlm_inputs, wav)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.omni import (PREPROCESSOR,
+    audio_part,
+    hf_names,
+    image_part,
+    png,
+    tiny_omni,
+    tiny_omni_config,
+    tiny_tokenizer,
+    user,
+    vlm_inputs,
+    wav)
 from mlx_dspark.text.tokenizer import prompt_ids
 
 GB = 1e9

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx_dspark as md
 from mlx_dspark.decode import loop
-from mlx_dspark.decode.draw import Draw
+from mlx_dspark.logits.draw import Draw
 
 PROMPTS = Path(__file__).resolve().parents[1] / "training" / "prompts.json"
 PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)

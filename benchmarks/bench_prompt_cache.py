@@ -18,7 +18,7 @@ another user) and a server whose file size limit makes every write fail (a full 
 must print one warning line, answer with ``cached_tokens`` 0 and the cold answer.
 
 ``realwidth DIR``: a converted Lightning-shaped checkpoint (4 layers at full widths, e.g.
-``python -m mlx_dspark.testing.synthetic SRC --pattern 'ME*M'`` then ``mlx-dspark convert``),
+``python -m testkit.synthetic SRC --pattern 'ME*M'`` then ``mlx-dspark convert``),
 in this process (it has no tokenizer: token-id prompts, the prefix end given as the message
 boundary); a "restart" is a new prompt cache on the same directory (empty memory, the disk
 store indexed again). MLX's CPU backend prefills this checkpoint at a few tokens per second
@@ -30,6 +30,7 @@ the same tokens, for choosing K (prompt_cache.CHECKPOINT_EVERY).
 
 from __future__ import annotations
 
+from pathlib import Path
 import argparse
 import json
 import os
@@ -42,6 +43,8 @@ import tempfile
 import time
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
 
 CHAT = "/v1/chat/completions"
 
@@ -78,7 +81,7 @@ def conversations(n: int) -> list[list[dict]]:
 
 
 def _server(flags, preexec=None):
-    from mlx_dspark.testing.server import launch
+    from testkit.server import launch
     return launch(flags, timeout=120, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                   preexec_fn=preexec)
 
@@ -162,7 +165,7 @@ def part_hostile(a):
 def hostile(messages, cache_dir, cold_answer):
     """Spoil the directory five ways (and fill the disk); each: one warning, a cold prefill,
     the cold answer."""
-    from mlx_dspark.testing import spoil
+    from testkit import spoil
 
     out = {}
     for name, way in spoil.WAYS.items():

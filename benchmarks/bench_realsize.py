@@ -1,6 +1,6 @@
 """Real-size measurements on a converted Lightning-shaped checkpoint (docs/history/real-size.md).
 
-    python -m mlx_dspark.testing.synthetic SRC [--layers N --experts E]   # the synthetic export
+    python -m testkit.synthetic SRC [--layers N --experts E]   # the synthetic export
     mlx-dspark convert SRC -o OUT
     python benchmarks/bench_realsize.py OUT load    [--dtype float32|bfloat16]
     python benchmarks/bench_realsize.py OUT prefill [--lengths 16 256 1024 ...]

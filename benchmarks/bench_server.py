@@ -15,6 +15,8 @@ the `openai` client over streamed chat completions, greedy.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import statistics
 import subprocess
@@ -23,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-from mlx_dspark.testing.server import launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.server import launch
 
 TOPICS = ["read a CSV file", "parse command line arguments", "walk a directory tree",
           "retry a network call", "merge two sorted lists", "cache function results",

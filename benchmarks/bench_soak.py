@@ -13,6 +13,7 @@ the same workload."""
 
 from __future__ import annotations
 
+from pathlib import Path
 import argparse
 import json
 import shlex
@@ -22,7 +23,8 @@ import time
 
 import httpx
 
-from mlx_dspark.testing.server import launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
+from testkit.server import launch
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
          "boxing matches near sunny beaches and pack my box with five dozen liquor jugs").split()

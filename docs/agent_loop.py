@@ -6,7 +6,7 @@ The demo pair is a 3.9 M-parameter model trained on Python source: left to itsel
 writes a call. When `tool_choice` names the function the call is constrained by grammar
 (docs/grammar.md), so it comes back well formed with typed arguments, though what a code model
 puts in them is no answer. So the loop runs twice: on the demo pair with a forced call, and on
-`mlx_dspark.testing.scripted`, a stand-in target that writes the replies below token by
+`testkit.scripted`, a stand-in target that writes the replies below token by
 token, to show the whole loop through the real server and client.
 
     .venv/bin/python docs/agent_loop.py
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]     # testkit/, and the test's replies
 from test_agents_server import REPLIES, TIME, WEATHER  # noqa: E402
 
-from mlx_dspark.testing.server import launch  # noqa: E402
+from testkit.server import launch  # noqa: E402
 
 TOOLS = {"get_weather": lambda city, days=1: f"sunny, 18 C in {city} for {days} days",
          "get_time": lambda city: f"14:05 in {city}"}
@@ -70,11 +71,11 @@ def main():
         proc.terminate()
         proc.wait()
     print()
-    print("== a scripted stand-in target (mlx_dspark.testing.scripted), same server and client ==")
+    print("== a scripted stand-in target (testkit.scripted), same server and client ==")
     with tempfile.TemporaryDirectory() as tmp:
         replies = Path(tmp) / "replies.json"
         replies.write_text(json.dumps(REPLIES))
-        proc, url = launch(command=("mlx_dspark.testing.scripted", str(replies)),
+        proc, url = launch(command=("testkit.scripted", str(replies)),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             loop(openai.OpenAI(base_url=url + "/v1", api_key="-"), "scripted", 300,

@@ -144,7 +144,7 @@ class Request:
     the reply thinks before the engine closes the block itself (None: no cap; without
     ``thinking`` there is nothing to cap). ``vocab_limit``: ids at or above it are never
     drawn, on the drafter's side as on the target's (the API sets it to the tokenizer's size
-    when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.decode.grammar.Grammar`
+    when the model's vocabulary is padded past it). ``grammar``: a :class:`mlx_dspark.grammar.grammars.Grammar`
     bound to the tokenizer (api.make_request binds it) that every emitted token must follow;
     stop tokens then end a run only where the grammar is complete. ``logprobs``: score each
     emitted token under the target's own distribution (its logits before any warping or
@@ -231,7 +231,7 @@ class Request:
         # a grammar.Grammar (not imported: decode/grammar.py imports this module)
         if self.grammar is not None and not isinstance(getattr(self.grammar, "source", None),
                                                        str):
-            raise RequestError("grammar", f"grammar must be a mlx_dspark.decode.grammar.Grammar, "
+            raise RequestError("grammar", f"grammar must be a mlx_dspark.grammar.grammars.Grammar, "
                                           f"not {type(self.grammar).__name__}")
         budget = self.thinking_token_budget
         if budget is not None and (not _integer(budget) or budget < 0):

@@ -1,7 +1,7 @@
-"""Shared test setup. The helper modules beside the tests (loop_helpers, target_helpers,
-server_helpers, reference_drafter, cli_pair) import by name because pytest puts this folder on
-``sys.path`` (rootdir-relative, no ``__init__.py``); the committed tiny drafter fixture's module
-imports as ``fixtures.drafter.tiny`` the same way. Nothing outside tests/ imports from it."""
+"""Shared test setup. The helpers, references and scaffolding live in the checkout's
+``testkit/`` (pyproject's ``pythonpath`` puts the checkout on ``sys.path``); the committed tiny
+drafter fixture's module imports as ``fixtures.drafter.tiny`` because pytest puts this folder on
+``sys.path`` (rootdir-relative, no ``__init__.py``)."""
 
 import builtins
 import dis
@@ -20,6 +20,11 @@ from pathlib import Path
 import pytest
 
 pytest_plugins = ["pytester"]
+
+# The processes the tests start (CLI runs, servers, ``python -c`` probes) import testkit/ from
+# the checkout too, as the tests do through pyproject's ``pythonpath``.
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHECKOUT, os.environ.get("PYTHONPATH")]))
 
 # A runner started in the background by a shell without job control (a CI script's `cmd &`,
 # nohup) inherits SIGINT ignored, and so would every process the tests start: the Ctrl-C tests
@@ -63,15 +68,15 @@ def template_calls(monkeypatch):
 # A test is marked ``unit`` at collection unless it is slow or long, or what it runs reaches
 # something that loads a checkpoint, builds a model, serves, starts a process or runs code from
 # text (``_heavy``): found by following, through the bytecode, every global and attribute the
-# test function, its fixtures and the helpers they call (in tests/ and mlx_dspark/testing)
+# test function, its fixtures and the helpers they call (in tests/ and testkit)
 # name. What the walk misses is caught when it runs: a unit test that reads a checkpoint,
 # builds a model, starts a process or listens on a socket fails, naming what it did, so the
 # lane can neither slow down nor pass unnoticed.
 
 
 def _walked_folders() -> tuple[str, ...]:
-    import mlx_dspark.testing
-    return tuple(str(Path(f).parent.resolve()) for f in (__file__, mlx_dspark.testing.__file__))
+    import testkit
+    return tuple(str(Path(f).parent.resolve()) for f in (__file__, testkit.__file__))
 
 
 _WALKED = _walked_folders()
@@ -99,7 +104,7 @@ def _heavy() -> dict:
         from mlx_vlm.utils import load_model as mlx_vlm_load
         model.append(mlx_vlm_load)
     server = [Engine, create_app, TestClient]
-    # a whole network, even a tiny random one (mlx_dspark/testing/toy.py): decoding on it is
+    # a whole network, even a tiny random one (testkit/toy.py): decoding on it is
     # what makes a test take seconds
     built = [*_model_classes(), mlx_lm_nemotron_h.Model]
     unseen = [builtins.exec, builtins.eval]      # what it runs, the walk cannot follow

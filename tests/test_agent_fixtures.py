@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from agent_helpers import THOUGHT, call, client, events, fixture, replay, scripted_engine
+from testkit.agent_helpers import THOUGHT, call, client, events, fixture, replay, scripted_engine
 
 SHELL = {"claude_code": ("Bash", {"command": "ls", "description": "List files"}),
          "codex": ("exec_command", {"cmd": "ls"}),

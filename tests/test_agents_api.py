@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_helpers import call, client, events, scripted_engine, submitted
+from testkit.agent_helpers import call, client, events, scripted_engine, submitted
 from mlx_dspark.serve import fields
 from mlx_dspark.serve.app import create_app
 
@@ -293,9 +293,9 @@ def test_a_client_that_leaves_stops_the_prefill_within_one_piece(monkeypatch):
     """A long prompt is prefilled in pieces of a few hundred tokens, cut at the checkpoints
     too (message ends, every 4096 tokens); a job whose client left stops after the piece it
     is in, and a retry continues from the last checkpoint reached (the first message's end)."""
-    from agent_helpers import fixture, replay
+    from testkit.agent_helpers import fixture, replay
     from mlx_dspark.prompt_cache.cache import CHECKPOINT_EVERY
-    from mlx_dspark.testing.scripted import ScriptedTarget
+    from testkit.scripted import ScriptedTarget
     engine = scripted_engine(["Done."], cache_bytes=64 << 20)
     pieces, first, real = [], [], ScriptedTarget.step
 

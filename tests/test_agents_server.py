@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.testing.server import launch, stop
+from testkit.server import launch, stop
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def _stop(proc):
 def scripted(tmp_path_factory):
     replies = tmp_path_factory.mktemp("script") / "replies.json"
     replies.write_text(json.dumps(REPLIES))
-    proc, url = launch(["--api-key", KEY], command=("mlx_dspark.testing.scripted", str(replies)),
+    proc, url = launch(["--api-key", KEY], command=("testkit.scripted", str(replies)),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     yield url
     _stop(proc)

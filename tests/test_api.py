@@ -5,13 +5,13 @@ small BPE tokenizer), and greedy speculation == serial greedy on that NVFP4 targ
 import pytest
 
 import mlx_dspark as md
-from cli_pair import make_pair
-from loop_helpers import FixedCosts
+from testkit.cli_pair import make_pair
+from testkit.loop_helpers import FixedCosts
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
+from testkit.oracle_drafter import OracleDrafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "What is the capital of France?"]
 

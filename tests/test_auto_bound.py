@@ -1,7 +1,7 @@
 """``num_draft="auto"`` never does more than 5 % worse than the best fixed draft length, on the
 demo pair, with the round costs this machine measured with stock BLAS and with OpenBLAS
 preloaded (tests/fixtures/auto_curves.json, written by benchmarks/auto_curves.py). Each round is
-priced by that curve instead of the clock (mlx_dspark.testing.modelled), so the comparison is
+priced by that curve instead of the clock (testkit.modelled), so the comparison is
 exact and repeatable and tests the choice itself: the acceptance estimates a request starts
 from nothing, the exploration rounds and the curve's load-time line. The wall-clock comparison
 (benchmarks/bench_auto_length.py) spreads by 5 to 15 % from run to run on a shared machine."""
@@ -15,7 +15,7 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.cli.bench import PROMPTS, _ids
-from mlx_dspark.testing.modelled import against_best, rates
+from testkit.modelled import against_best, rates
 
 CURVES = json.loads((Path(__file__).parent / "fixtures" / "auto_curves.json").read_text())
 BUILDS = ("stock", "openblas")

@@ -6,15 +6,15 @@ cannot decide; the tokens stay each request's alone whatever is decided."""
 
 import pytest
 
-from loop_helpers import FixedBatchCosts, FixedCosts, serial_greedy
-from mlx_dspark.decode import controller as C
+from testkit.loop_helpers import FixedBatchCosts, FixedCosts, serial_greedy
+from mlx_dspark.policy import controller as C
 from mlx_dspark.decode.batch import Batch
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
 from mlx_dspark.stats import Stats, format_mode
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import tiny_target
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import tiny_target
 
 PROMPTS = [[3, 14, 15, 92, 65], [2, 71, 82, 81], [1, 41, 42, 13, 56, 23], [16, 18]]
 TOKENS = 40

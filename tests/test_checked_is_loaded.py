@@ -19,7 +19,7 @@ from mlx_dspark.api import DEMO
 from mlx_dspark.checkpoint import recorded
 from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.models import nemotron_h
-from mlx_dspark.testing.mlx_lm_layouts import dense_hf
+from testkit.mlx_lm_layouts import dense_hf
 
 
 def swapped_after_the_check(monkeypatch, f: Path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from cli_pair import make_pair
+from testkit.cli_pair import make_pair
 from mlx_dspark import cli
 
 # subprocesses and a pseudo-terminal: the slow lane
@@ -345,18 +345,18 @@ def test_corrupt_checkpoint(capsys, pair_dirs, tmp_path):
 
 
 def test_missing_demo_pair_is_named(capsys, monkeypatch, tmp_path):
-    from mlx_dspark import api
-    monkeypatch.setattr(api, "DEMO", tmp_path / "demo")
+    from mlx_dspark import loading
+    monkeypatch.setattr(loading, "DEMO", tmp_path / "demo")
     err = one_line_error(capsys, ["generate", "-p", "x"])
     assert "embedded demo pair is not installed" in err and "--model" in err
 
 
 def test_no_model_means_the_embedded_demo_pair(capsys, monkeypatch, pair_dirs):
     import mlx_dspark as md
-    from mlx_dspark import api
+    from mlx_dspark import loading
 
     target, drafter = pair_dirs
-    monkeypatch.setattr(api, "DEMO", target.parent)    # holds target/ and drafter/, as demo/ does
+    monkeypatch.setattr(loading, "DEMO", target.parent)    # holds target/ and drafter/, as demo/ does
     assert cli.main(["generate", "-p", "def f(x):", "--max-tokens", "6"]) == 0
     # the fixture tokenizer has a chat template, which generate applies by default
     want = md.generate(md.load(target, drafter), "def f(x):", max_tokens=6, chat=True)

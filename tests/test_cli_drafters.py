@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cli_pair import make_pair
+from testkit.cli_pair import make_pair
 from test_cli import DTYPE, one_line_error, run
 
 pytestmark = pytest.mark.slow

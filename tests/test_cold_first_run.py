@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark import api, cli
+from mlx_dspark import cli, loading
 from mlx_dspark.models.nemotron_h import NemotronH
 
 
@@ -46,17 +46,17 @@ def test_the_command_line_warms_the_drafts_it_will_use_before_the_prompt(shapes,
 
 def test_kernel_cache_cold_means_an_empty_mlx_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert api.kernel_cache_cold()
+    assert loading.kernel_cache_cold()
     import mlx.core as mx
     cache = tmp_path / "mlx" / mx.__version__ / "cpu"
     cache.mkdir(parents=True)
     (cache / "libkernel.so").write_bytes(b"")
-    assert not api.kernel_cache_cold()
+    assert not loading.kernel_cache_cold()
 
 
 @pytest.mark.parametrize("cold", [True, False])
 def test_the_first_run_says_it_compiles_kernels(monkeypatch, capsys, cold):
-    monkeypatch.setattr(api, "kernel_cache_cold", lambda: cold)
+    monkeypatch.setattr(loading, "kernel_cache_cold", lambda: cold)
     assert cli.main(["generate", "-p", "x", "-m", "1", "--ignore-chat-template"]) == 0
     err = capsys.readouterr().err
     said = ("mlx-dspark generate: first run on this machine: MLX compiles its CPU kernels now "

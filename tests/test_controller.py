@@ -4,14 +4,14 @@ in place of wall times, so the load on the machine cannot change the outcome).""
 
 import numpy as np
 
-from loop_helpers import FixedCosts, serial_greedy
-from mlx_dspark.decode import controller as C
+from testkit.loop_helpers import FixedCosts, serial_greedy
+from mlx_dspark.policy import controller as C
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter, tiny_target
 
 
 def simulate(steps, alpha, t_serial=1.0, t_round=1.5, n=3, seed=0):

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import mlx_dspark as md
-from loop_helpers import serial_greedy
-from mlx_dspark.decode import controller as C, length as L
+from testkit.loop_helpers import serial_greedy
+from mlx_dspark.policy import controller as C, length as L
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.drafters import KINDS
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, random_eagle3, random_mtp, tiny_target
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter, random_eagle3, random_mtp, tiny_target
 
 
 # --- the choice (no clock)

@@ -1,6 +1,6 @@
 """The converter's output: byte-for-byte NVFP4/FP8 repacking, exact dequantization, layout.
 
-Sources are synthetic ModelOpt-layout checkpoints built with NumPy (mlx_dspark/testing/synthetic.py),
+Sources are synthetic ModelOpt-layout checkpoints built with NumPy (testkit/synthetic.py),
 one per supported quant algorithm, plus the DSpark drafter."""
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from mlx_dspark.testing.synthetic import E4M3, nvfp4_dequantize, synth_drafter, synth_target
+from testkit.synthetic import E4M3, nvfp4_dequantize, synth_drafter, synth_target
 from mlx_dspark.converter import convert
 from mlx_dspark.models.quant import make_linear
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_dspark.testing.synthetic import synth_drafter, synth_target
+from testkit.synthetic import synth_drafter, synth_target
 from mlx_dspark.cli import main
 
 M = "backbone.layers.0.mixer.in_proj"          # an NVFP4 module in W4A16_NVFP4 sources

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_dspark.testing.synthetic import synth_drafter, synth_target
+from testkit.synthetic import synth_drafter, synth_target
 from mlx_dspark.cli import main
 from mlx_dspark.converter.convert import RECEIPT_NAME
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.testing.synthetic import read_raw_checkpoint
+from testkit.synthetic import read_raw_checkpoint
 from mlx_dspark.converter import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"

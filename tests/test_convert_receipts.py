@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-from mlx_dspark.testing.synthetic import synth_drafter, synth_target
+from testkit.synthetic import synth_drafter, synth_target
 from mlx_dspark import __version__
 from mlx_dspark.cli import main
 from mlx_dspark.converter import convert

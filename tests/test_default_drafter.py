@@ -22,7 +22,7 @@ from mlx_dspark.cli.commands import banner
 from mlx_dspark.converter import hub
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.converter.layout import RECEIPT_NAME
-from mlx_dspark.testing.synthetic import lightning_config
+from testkit.synthetic import lightning_config
 
 REPO = "test-org/demo-dspark"
 

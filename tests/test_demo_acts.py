@@ -1,5 +1,5 @@
 """The shipped demo pair acts as issue 41 asks, on held-out prompts and held-out tool sets
-(mlx_dspark/testing/demo_acts.py; `benchmarks/bench_demo_acts.py` prints the same numbers):
+(testkit/demo_acts.py; `benchmarks/bench_demo_acts.py` prints the same numbers):
 through the server's tool path it calls the right tool with the argument the user named, a
 forced call closes, the answer after a tool's result stops; with thinking on it writes a
 thought and closes it; its greedy text does not loop. The shipped demo meets only the last
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.testing import demo_acts
+from testkit import demo_acts
 
 pytestmark = pytest.mark.slow
 MODEL = "mlx-dspark-demo"

@@ -14,7 +14,7 @@ from mlx_dspark import device
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.toy import random_drafter, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 

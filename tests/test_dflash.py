@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from loop_helpers import serial_greedy
-from reference_drafter import read_safetensors
-from reference_dflash import ReferenceDFlash
+from testkit.loop_helpers import serial_greedy
+from testkit.reference_drafter import read_safetensors
+from testkit.reference_dflash import ReferenceDFlash
 
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.decode.session import Session
@@ -22,7 +22,7 @@ from mlx_dspark.drafters.dflash import DFlashDrafter, parse_config
 from mlx_dspark.models.nemotron_h import load_target
 from mlx_dspark.request import Request
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.toy import dflash_config, random_block_weights, random_dflash, tiny_target
+from testkit.toy import dflash_config, random_block_weights, random_dflash, tiny_target
 
 FP32_TOL = 1e-4          # relative to the largest logit
 

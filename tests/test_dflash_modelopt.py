@@ -12,8 +12,8 @@ import os
 
 import mlx.core as mx
 import pytest
-from reference_drafter import assert_proposals_match, dense_weight, read_safetensors
-from reference_dflash import ReferenceDFlash
+from testkit.reference_drafter import assert_proposals_match, dense_weight, read_safetensors
+from testkit.reference_dflash import ReferenceDFlash
 
 from mlx_dspark.converter.convert import convert
 from mlx_dspark.drafters import kind_of, load_drafter

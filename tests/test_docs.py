@@ -45,7 +45,7 @@ def prose(text: str) -> list[tuple[int, str]]:
 
 def cell_paths(cell: str, where: str = "") -> list[str]:
     """The paths a module-table cell names in backticks. A bare file name (``toy.py``) is in
-    the folder of the path before it in the same cell (``mlx_dspark/testing/synthetic.py``,
+    the folder of the path before it in the same cell (``testkit/synthetic.py``,
     ``toy.py``); backticked words that are not paths (``mlx_dspark.converter``) are ignored."""
     folder, paths = None, []
     for token in CODE_SPAN.findall(cell):
@@ -104,8 +104,8 @@ def test_module_table_lists_every_module_of_the_package():
 
 
 def test_a_cell_may_name_several_files_of_one_folder():
-    assert cell_paths("`mlx_dspark/testing/synthetic.py`, `toy.py` (`mlx_dspark.testing`)") \
-        == ["mlx_dspark/testing/synthetic.py", "mlx_dspark/testing/toy.py"]
+    assert cell_paths("`testkit/synthetic.py`, `toy.py` (`testkit`)") \
+        == ["testkit/synthetic.py", "testkit/toy.py"]
     assert cell_paths("`converter/` (`mlx_dspark.converter`)") == ["converter/"]
 
 

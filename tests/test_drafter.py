@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from fixtures.drafter import tiny
-from reference_drafter import ReferenceDrafter, read_safetensors
+from testkit.reference_drafter import ReferenceDrafter, read_safetensors
 
 from mlx_dspark.drafters import load_drafter
-from mlx_dspark.decode.sampling import warp
+from mlx_dspark.logits.sampling import warp
 
 # Measured max |z - z_ref| / max |z_ref| over N = 1..7 and contexts 0..20 tokens:
 # fp32 8.1e-7 (packed NVFP4 matmul) and 7.0e-7 (NVFP4 decoded at load); bf16 2.3e-2.

@@ -9,8 +9,10 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from reference_drafter import (ReferenceDrafter, assert_proposals_match, dense_weight,
-                              read_safetensors)
+from testkit.reference_drafter import (ReferenceDrafter,
+    assert_proposals_match,
+    dense_weight,
+    read_safetensors)
 
 from mlx_dspark.converter.convert import convert
 from mlx_dspark.drafters import load_drafter

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from fixtures.drafter import tiny
-from reference_drafter import ReferenceDrafter, read_safetensors
-from target_helpers import quantize_like_modelopt
+from testkit.reference_drafter import ReferenceDrafter, read_safetensors
+from testkit.target_helpers import quantize_like_modelopt
 
 from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.config import DrafterError
 from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
-from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 FP32_TOL = 1e-5  # as in test_drafter.py
 

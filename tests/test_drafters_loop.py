@@ -5,13 +5,12 @@ session snapshot (the server's prefix cache) restores each drafter's context."""
 
 import pytest
 
-from loop_helpers import serial_greedy
+from testkit.loop_helpers import serial_greedy
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
-                                    tiny_target)
+from testkit.toy import random_dflash, random_drafter, random_eagle3, random_mtp, tiny_target
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2], [5], list(range(1, 30))]
 DRAFTERS = {

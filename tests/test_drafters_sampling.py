@@ -14,8 +14,7 @@ import pytest
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
-from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
-                                    tiny_target)
+from testkit.toy import random_dflash, random_drafter, random_eagle3, random_mtp, tiny_target
 from test_sampling_acceptance import chi2_pvalue
 
 V, PROMPT, DRAWS = 6, [1, 4, 2, 5, 3], 800

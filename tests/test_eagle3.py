@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import reference_eagle3 as R
-from loop_helpers import serial_greedy
+import testkit.reference_eagle3 as R
+from testkit.loop_helpers import serial_greedy
 from mlx_dspark.models.weights import CheckpointError
 from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.eagle3 import Eagle3Drafter, parse_config
@@ -20,7 +20,7 @@ from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.models.nemotron_h import load_target
-from mlx_dspark.testing.toy import random_eagle3_weights, tiny_target
+from testkit.toy import random_eagle3_weights, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35, 8, 9, 7, 9, 3, 2]
 
@@ -81,7 +81,7 @@ def test_rejected_drafts_leave_the_cache_as_the_committed_tokens_alone(target, h
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     from mlx_dspark.converter import convert
-    from mlx_dspark.testing.synthetic import synth_eagle3, synth_target
+    from testkit.synthetic import synth_eagle3, synth_target
     root = tmp_path_factory.mktemp("eagle3")
     synth_target(root / "tsrc")
     src = synth_eagle3(root / "hsrc")
@@ -151,10 +151,10 @@ def test_a_head_whose_weights_differ_from_the_file_is_refused_by_the_gate(conver
 
 def test_load_picks_each_drafter_by_name_or_config(converted, monkeypatch):
     import mlx_dspark as md
-    from mlx_dspark import api
+    from mlx_dspark import loading
     from mlx_dspark.drafters.mtp import MTPDrafter
     _, tdir, hdir = converted
-    monkeypatch.setattr(api, "load_tokenizer", lambda *a: None)   # synthetic: no real one
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a: None)   # synthetic: no real one
     assert isinstance(md.load(str(tdir), "mtp").drafter, MTPDrafter)
     assert isinstance(md.load(str(tdir), str(hdir)).drafter, Eagle3Drafter)
     with pytest.raises(FileNotFoundError, match="demo drafter"):

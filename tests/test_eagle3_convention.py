@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     from mlx_dspark.converter import convert
-    from mlx_dspark.testing.synthetic import synth_eagle3, synth_target
+    from testkit.synthetic import synth_eagle3, synth_target
     root = tmp_path_factory.mktemp("eagle3-convention")
     synth_target(root / "tsrc")
     synth_eagle3(root / "hsrc")

@@ -21,7 +21,7 @@ from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Engine
 from mlx_dspark.stats import Stats, format_line, format_stats
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.toy import random_drafter, tiny_target
 
 PROMPT = "def add(a, b):"
 

@@ -21,8 +21,8 @@ from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.checkpoint.memory import InsufficientMemory
 from mlx_dspark.converter import convert, hub
 from mlx_dspark.converter.errors import ConversionError
-from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert, with_config
-from mlx_dspark.testing.omni import wrap
+from testkit.mlx_lm_layouts import dense_hf, mlx_lm_convert, with_config
+from testkit.omni import wrap
 
 FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
 

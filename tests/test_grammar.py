@@ -21,12 +21,12 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 import mlx_dspark as md
-from mlx_dspark.decode import grammar as G
+from mlx_dspark.grammar import grammars as G
 from mlx_dspark.request import Request, RequestError
-from mlx_dspark.decode.sampling import Sampler, constrain, gumbel_max
+from mlx_dspark.logits.sampling import Sampler, constrain, gumbel_max
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.toy import random_drafter, tiny_target
 
 from test_sampling_acceptance import chi2_pvalue, warp64
 
@@ -265,7 +265,7 @@ def test_the_chi_square_test_fails_when_the_draft_distribution_is_not_the_masked
         toy, monkeypatch):
     """Drafts drawn under the mask but reported with their unmasked logits (q too small on
     the allowed tokens) bias rejection sampling: the test has teeth."""
-    from mlx_dspark.decode import draw as D
+    from mlx_dspark.logits import draw as D
     held = {}
 
     def report_unmasked(z, allowed):

@@ -1,4 +1,4 @@
-"""Grammars that cannot hurt the server (mlx_dspark/decode/grammar_limits.py, docs/grammar.md
+"""Grammars that cannot hurt the server (mlx_dspark/grammar/limits.py, docs/grammar.md
 "Limits"), in process: the app on the demo pair through starlette's test client, and the
 Python API.
 
@@ -23,8 +23,8 @@ import pytest
 from starlette.testclient import TestClient
 
 import mlx_dspark as md
-from mlx_dspark.decode import grammar as G
-from mlx_dspark.decode import grammar_limits
+from mlx_dspark.grammar import grammars as G
+from mlx_dspark.grammar import limits as grammar_limits
 from mlx_dspark.request import RequestError
 from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Engine

@@ -223,7 +223,7 @@ def test_decode_names_the_finish_reason_just_before_the_last_token(speculative):
     # what lets stream_generate put the finish reason on the last token's chunk, for each way
     # a run ends: max_tokens, the context limit, a stop token
     from mlx_dspark.stats import Stats
-    from mlx_dspark.testing.toy import random_drafter, tiny_target
+    from testkit.toy import random_drafter, tiny_target
     target = tiny_target(max_position_embeddings=24)
     drafter = random_drafter(target)
     prompt = list(range(1, 11))

@@ -20,10 +20,10 @@ from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.converter import convert
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.open_files import import_mlx_lm
-from mlx_dspark.testing.latent import LATENT, mlx_lm_model_on, modelopt_nvfp4, save_hf
-from mlx_dspark.testing.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy, with_config
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter
+from testkit.latent import LATENT, mlx_lm_model_on, modelopt_nvfp4, save_hf
+from testkit.mlx_lm_layouts import mlx_lm_convert, mlx_lm_greedy, with_config
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter
 
 mlx_lm_utils = import_mlx_lm("mlx_lm.utils")
 mlx_lm_nh = import_mlx_lm("mlx_lm.models.nemotron_h")

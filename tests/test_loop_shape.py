@@ -7,14 +7,14 @@ to the host."""
 import mlx.core as mx
 import pytest
 
-from loop_helpers import sampler_fields
+from testkit.loop_helpers import sampler_fields
 from mlx_dspark.decode import loop as speculative
 from mlx_dspark.request import Request
-from mlx_dspark.decode.sampling import Noise, Sampler
+from mlx_dspark.logits.sampling import Noise, Sampler
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.toy import random_drafter, tiny_target
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 V = 97

@@ -77,7 +77,7 @@ def test_the_mtp_block_counts_only_when_it_drafts(tmp_path):
     from functools import partial
     from mlx_dspark.drafters import load_drafter
     load_mtp = partial(load_drafter, "mtp")
-    from mlx_dspark.testing.synthetic import synth_target
+    from testkit.synthetic import synth_target
     synth_target(tmp_path / "src", "MIXED_PRECISION")
     keep = convert(str(tmp_path / "src"), tmp_path / "keep", progress=False)
     drop = convert(str(tmp_path / "src"), tmp_path / "drop", keep_mtp=False, progress=False)

@@ -20,7 +20,7 @@ from mlx_dspark.api import DEMO
 from mlx_dspark.checkpoint.integrity import CheckpointError
 from mlx_dspark.checkpoint.recorded import record_file, verify_directory
 from mlx_dspark.open_files import import_mlx_lm
-from mlx_dspark.testing.mlx_lm_layouts import FORMATS, make_all, mlx_lm_greedy
+from testkit.mlx_lm_layouts import FORMATS, make_all, mlx_lm_greedy
 
 mlx_lm_utils = import_mlx_lm("mlx_lm.utils")
 PROMPT = [1, 281, 1092, 44, 17, 3002, 9, 511, 77, 12, 1800, 33, 5, 640, 2048, 91, 7, 300, 4001, 15]

@@ -16,7 +16,7 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.checkpoint import hub as model_cache
-from cli_pair import FIXTURES, write_tokenizer
+from testkit.cli_pair import FIXTURES, write_tokenizer
 from mlx_dspark.converter import hub
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.converter.layout import RECEIPT_NAME

@@ -3,11 +3,11 @@ share an expert read it once); the outputs equal the ungrouped path's to the bit
 
 import mlx.core as mx
 import pytest
-from target_helpers import twin_models
+from testkit.target_helpers import twin_models
 
 from mlx_dspark import api
 from mlx_dspark.models.nemotron_h import MoE, load_target
-from mlx_dspark.testing.toy import tiny_config, tiny_target
+from testkit.toy import tiny_config, tiny_target
 
 
 def equal_with_and_without_grouping(model, tokens, monkeypatch) -> bool:

@@ -9,14 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import reference_mtp as R
+import testkit.reference_mtp as R
 from mlx_dspark.models.weights import CheckpointError
 from mlx_dspark.drafters import load_drafter
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.models.nemotron_h import load_target
-from mlx_dspark.testing.toy import random_mtp_weights, tiny_target
+from testkit.toy import random_mtp_weights, tiny_target
 
 load_mtp = partial(load_drafter, "mtp")
 
@@ -96,7 +96,7 @@ def test_rejected_drafts_leave_the_cache_as_the_committed_tokens_alone(target, d
 @pytest.fixture(scope="module")
 def converted_targets(tmp_path_factory):
     from mlx_dspark.converter import convert
-    from mlx_dspark.testing.synthetic import synth_target
+    from testkit.synthetic import synth_target
     root = tmp_path_factory.mktemp("mtp")
     synth_target(root / "src", "MIXED_PRECISION")
     keep = convert(str(root / "src"), root / "keep", progress=False)

@@ -5,7 +5,7 @@ bit for bit), pairs with every drafter kind, gets Lightning's default drafter by
 shape, converts from a ModelOpt export (the tower bit for bit, the media carried as exported),
 and never reads its media weights for text; a media part sent to a model without a media path
 is refused naming the part (and, without the ``omni`` extra, how to install it). The wrappers
-are built with the NumPy builders (mlx_dspark/testing/omni.py) around the demo target and the
+are built with the NumPy builders (testkit/omni.py) around the demo target and the
 synthetic ModelOpt export; nothing here needs the extra."""
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from mlx_dspark.converter.layout import RECEIPT_NAME
 from mlx_dspark.media import parts
 from mlx_dspark.media.parts import MediaError
 from mlx_dspark.models.nemotron_h import load_target
-from mlx_dspark.testing.codecs import read_raw_checkpoint, read_raw_safetensors
-from mlx_dspark.testing.mlx_lm_layouts import dense_hf
-from mlx_dspark.testing.omni import MEDIA, wrap
-from mlx_dspark.testing.synthetic import lightning_config, synth_target
+from testkit.codecs import read_raw_checkpoint, read_raw_safetensors
+from testkit.mlx_lm_layouts import dense_hf
+from testkit.omni import MEDIA, wrap
+from testkit.synthetic import lightning_config, synth_target
 from mlx_dspark.text.tokenizer import prompt_ids
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 IDS = [1, 281, 1092, 44, 9, 300, 17]
 

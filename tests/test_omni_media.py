@@ -1,6 +1,6 @@
 """Images and audio into a Nemotron Omni parent through mlx-vlm (issue 40.2). The oracle is
 mlx-vlm's own Omni forward on a tiny random checkpoint built with mlx-vlm's model class and
-saved in the Hugging Face layout (mlx_dspark/testing/omni.py): the same prompt ids, next-token
+saved in the Hugging Face layout (testkit/omni.py): the same prompt ids, next-token
 log-probabilities within 1e-3, the same greedy tokens. Speculation stays exact after a media
 prompt; the prompt cache reuses a prompt through the same image and nothing from a different
 one on; bad media are refused naming the part. Skipped without the ``omni`` extra, except the
@@ -18,8 +18,7 @@ import mlx_dspark as md
 from mlx_dspark.media import parts
 from mlx_dspark.media.parts import MediaError
 from mlx_dspark.models.media_rows import step_input, text_ids
-from mlx_dspark.testing.omni import (audio_part, image_part, png, png_header, user, vlm_inputs,
-                                     wav)
+from testkit.omni import audio_part, image_part, png, png_header, user, vlm_inputs, wav
 from mlx_dspark.text.tokenizer import prompt_ids
 
 
@@ -29,7 +28,7 @@ vlm = pytest.importorskip("mlx_vlm.models.nemotron_h_nano_omni", exc_type=Import
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    from mlx_dspark.testing.omni import tiny_omni
+    from testkit.omni import tiny_omni
     return tiny_omni(tmp_path_factory.mktemp("omni") / "tiny")
 
 
@@ -85,7 +84,7 @@ def test_log_probs_and_greedy_tokens_equal_mlx_vlms_omni_forward(omni, pair, kin
 @pytest.mark.parametrize("drafter", ["dspark", "eagle3", "mtp"])
 def test_speculation_stays_exact_after_a_media_prompt(omni, drafter):
     from dataclasses import replace
-    from mlx_dspark.testing import toy
+    from testkit import toy
     base = md.load(str(omni[0]), "none", verify="none", warm=False)
     made = {"dspark": lambda t: toy.random_drafter(t, tap_layers=(0, 2)),
             "eagle3": lambda t: toy.random_eagle3(t, aux=(0, 2, 3), own_embedding=True),
@@ -206,7 +205,7 @@ def test_generate_takes_images_and_audio_files(omni, pair, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def client(omni, tmp_path_factory):
-    from server_helpers import app_client, started_engine
+    from testkit.server_helpers import app_client, started_engine
     allowed = tmp_path_factory.mktemp("media")
     (allowed / "a.png").write_bytes(png())
     for engine in started_engine(lambda: md.load(str(omni[0]), "none", verify="none",

@@ -114,7 +114,7 @@ def test_help_convert_verify_and_the_cli_helpers_do_not_load_mlx(tmp_path):
     assert not _loads_mlx("from mlx_dspark import cli\n"
                           "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass", tmp_path)
     assert not _loads_mlx(
-        "from mlx_dspark import cli\nfrom mlx_dspark.testing.synthetic import synth_target\n"
+        "from mlx_dspark import cli\nfrom testkit.synthetic import synth_target\n"
         "synth_target('src')\n"
         "assert cli.main(['convert', 'src', '-o', 'out', '--no-progress']) in (0, None)", tmp_path)
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -20,7 +20,7 @@ from mlx_dspark import api
 from mlx_dspark.prompt_cache.cache import PromptCache
 from mlx_dspark.prompt_cache.disk import LOCK, PromptStore, identity, open_store
 from mlx_dspark.decode.loop import prefill
-from mlx_dspark.testing import spoil as spoil_ways
+from testkit import spoil as spoil_ways
 from mlx_dspark.text.tokenizer import message_boundaries, prompt_ids
 
 SYSTEM = {"role": "system", "content": "You write Python for a data team. " + " ".join(

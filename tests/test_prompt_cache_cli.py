@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlx_dspark.testing import spoil
-from mlx_dspark.testing.server import launch, stop
+from testkit import spoil
+from testkit.server import launch, stop
 
 pytestmark = pytest.mark.slow       # subprocesses and servers
 

@@ -25,7 +25,7 @@ from mlx_dspark.cli.chat import Chat
 from mlx_dspark.prompt_cache.cache import PromptCache
 from mlx_dspark.prompt_cache.disk import LOCK, SUFFIX, PromptStore, open_store
 from mlx_dspark.prompt_cache.snapshot_file import encode
-from mlx_dspark.testing import spoil
+from testkit import spoil
 from mlx_dspark.text.tokenizer import prompt_ids
 
 SYSTEM = {"role": "system", "content": "You write Python for a data team. " + " ".join(

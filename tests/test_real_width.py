@@ -8,12 +8,15 @@ NumPy, independently of the converter and of quant.py)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from target_helpers import mlx_lm_from_hf_weights
+from testkit.target_helpers import mlx_lm_from_hf_weights
 from test_target import _state
 
 from mlx_dspark.converter.convert import convert
-from mlx_dspark.testing.synthetic import (E4M3, lightning_config, nvfp4_dequantize,
-                                          read_raw_checkpoint, synth_lightning)
+from testkit.synthetic import (E4M3,
+    lightning_config,
+    nvfp4_dequantize,
+    read_raw_checkpoint,
+    synth_lightning)
 from mlx_dspark.models.nemotron_h import load_target
 
 # a real-width Lightning-shaped checkpoint: the slow lane

@@ -9,7 +9,7 @@ import mlx_dspark as md
 from mlx_dspark.text import reasoning
 from mlx_dspark.api import Pair
 from mlx_dspark.request import Request, RequestError, Thinking
-from mlx_dspark.testing.scripted import ScriptedTarget
+from testkit.scripted import ScriptedTarget
 
 THINK_ON = {"enable_thinking": True}
 QUESTION = [{"role": "user", "content": "Sort a list of numbers in Python."}]

@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 
-from mlx_dspark.testing.server import launch, stop
+from testkit.server import launch, stop
 
 pytestmark = pytest.mark.slow
 

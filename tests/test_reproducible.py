@@ -10,15 +10,15 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
-from loop_helpers import sampler_fields
-from mlx_dspark.decode.controller import Controller
+from testkit.loop_helpers import sampler_fields
+from mlx_dspark.policy.controller import Controller
 from mlx_dspark.request import Request
-from mlx_dspark.decode.sampling import Noise, Sampler, log_warp
+from mlx_dspark.logits.sampling import Noise, Sampler, log_warp
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter, tiny_target
 
 V = 97
 R = partial(Sampler, scheme="reproducible")

@@ -11,7 +11,7 @@ from mlx_dspark import api
 from mlx_dspark.decode import loop
 from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 USER = [{"role": "user", "content": "def greet(name):"}]
 ROUTES = {

@@ -12,7 +12,7 @@ import re
 import openai
 import pytest
 
-from agent_helpers import THOUGHT, call, client, scripted_engine, submitted
+from testkit.agent_helpers import THOUGHT, call, client, scripted_engine, submitted
 from mlx_dspark import api
 from mlx_dspark.serve.engine import Engine
 

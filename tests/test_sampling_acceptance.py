@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.decode import sampling
-from mlx_dspark.decode.sampling import Noise, Sampler
+from mlx_dspark.logits import sampling
+from mlx_dspark.logits.sampling import Noise, Sampler
 from mlx_dspark.decode.loop import accept
 
 V, N, DRAWS = 5, 2, 2000

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.decode.sampling import gumbel_max, log_warp, warp
+from mlx_dspark.logits.sampling import gumbel_max, log_warp, warp
 
 
 @pytest.fixture(scope="module")

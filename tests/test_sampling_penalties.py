@@ -17,16 +17,15 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.decode import run as run_module
-from mlx_dspark.decode.draw import Draw
+from mlx_dspark.logits.draw import Draw
 from mlx_dspark.decode.loop import decode
-from mlx_dspark.decode.processors import Processors
-from mlx_dspark.decode.sampling import Sampler, warp
+from mlx_dspark.logits.processors import Processors
+from mlx_dspark.logits.sampling import Sampler, warp
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import (random_dflash, random_drafter, random_eagle3, random_mtp,
-                                    tiny_target)
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_dflash, random_drafter, random_eagle3, random_mtp, tiny_target
 from test_drafters_sampling import triples
 from test_sampling_acceptance import chi2_pvalue
 

@@ -19,7 +19,7 @@ from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import CANCELLED, Engine, Job
 from mlx_dspark.serve.errors import ApiError
 
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 PROMPTS = ["def read_config(path):", "import os\n", "The quick brown fox", "class Stack:"]
 LONG = 1600        # tokens: four prefill pieces

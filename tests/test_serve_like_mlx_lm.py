@@ -20,7 +20,7 @@ from mlx_dspark import api, cli
 from mlx_dspark.cli.commands import model_names, serve_defaults
 from mlx_dspark.serve.engine import Engine
 from mlx_dspark.serve.app import create_app
-from mlx_dspark.testing.server import launch
+from testkit.server import launch
 
 DEMO = Path(api.__file__).parent / "demo"
 PROMPT = "def fibonacci(n):\n"

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.testing.server import launch, stop
+from testkit.server import launch, stop
 from mlx_dspark.text.tokenizer import prompt_ids
 
 # a real server process per fixture: the slow lane

@@ -23,7 +23,7 @@ from mlx_dspark.serve import relay
 from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.text.tokenizer import chat_ids
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "def greet(name):"}]

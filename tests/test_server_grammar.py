@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.testing.server import launch
+from testkit.server import launch
 
 pytestmark = pytest.mark.slow
 

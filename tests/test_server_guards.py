@@ -14,7 +14,7 @@ import pytest
 
 from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.http_guard import Exposure
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 KEY = "clé-secrète"                  # non-ASCII: sent as UTF-8 bytes
 AUTH = {"Authorization": f"Bearer {KEY}".encode()}

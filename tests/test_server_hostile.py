@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from mlx_dspark.testing.server import launch
+from testkit.server import launch
 
 pytestmark = pytest.mark.slow
 

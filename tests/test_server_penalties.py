@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import mlx_dspark as md
-from agent_helpers import client, scripted_engine, submitted
-from server_helpers import app_client, started_engine
+from testkit.agent_helpers import client, scripted_engine, submitted
+from testkit.server_helpers import app_client, started_engine
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 BASE = {CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},

@@ -20,7 +20,7 @@ import pytest
 
 from mlx_dspark.decode.pieces import PIECE
 from mlx_dspark.serve.engine import LOG_AFTER
-from mlx_dspark.testing.server import launch, stop
+from testkit.server import launch, stop
 
 pytestmark = pytest.mark.slow          # server processes
 

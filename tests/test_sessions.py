@@ -261,7 +261,7 @@ def test_no_warning_for_the_new_spelling(pair):
 
 
 def test_a_long_serial_stretch_queues_a_window_of_taps_and_the_context_is_the_same():
-    from mlx_dspark.testing.toy import random_drafter, tiny_target
+    from testkit.toy import random_drafter, tiny_target
 
     target = tiny_target(seed=1)
     drafter = random_drafter(target, window=16)          # keeps 15 context rows

@@ -22,7 +22,7 @@ from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.serve.errors import ApiError
 
-from server_helpers import started_engine
+from testkit.server_helpers import started_engine
 
 BOUND = 12
 USER = [{"role": "user", "content": "class Stack:"}]

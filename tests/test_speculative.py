@@ -5,13 +5,13 @@ session reuse behave exactly as in serial decoding."""
 import mlx.core as mx
 import pytest
 
-from loop_helpers import serial_greedy, top2_gap
+from testkit.loop_helpers import serial_greedy, top2_gap
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
-from mlx_dspark.testing.toy import random_drafter, tiny_target
+from testkit.oracle_drafter import OracleDrafter
+from testkit.toy import random_drafter, tiny_target
 
 # A greedy divergence is only legitimate where the target's own top-2 logits are this close:
 # the verify pass (N+1 positions) and a serial step compute the same math in a different

@@ -20,7 +20,7 @@ from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.drafters import dflash
 from mlx_dspark.drafters.base import DrafterError
 from mlx_dspark.drafters.config import parse_config
-from mlx_dspark.testing.synthetic import synth_drafter
+from testkit.synthetic import synth_drafter
 
 # What vllm-project/speculators writes for a DSpark head (its DSparkSpeculatorConfig): the
 # drafter's own layer config nested, the taps as aux_hidden_state_layer_ids (layers done).

@@ -11,8 +11,8 @@ from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.stats import Stats, format_stats
-from loop_helpers import FixedCosts
-from mlx_dspark.testing.oracle_drafter import OracleDrafter
+from testkit.loop_helpers import FixedCosts
+from testkit.oracle_drafter import OracleDrafter
 
 
 def lines(stats: Stats) -> dict:

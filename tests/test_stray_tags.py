@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from agent_helpers import events
+from testkit.agent_helpers import events
 from mlx_dspark import api
 from mlx_dspark.serve.engine import Engine
-from mlx_dspark.testing.scripted import ScriptedTarget
+from testkit.scripted import ScriptedTarget
 from mlx_dspark.text.tokenizer import load_tokenizer
-from server_helpers import app_client
+from testkit.server_helpers import app_client
 
 STRAY = "Fix the parser.</think>\nDone <think>here."      # what aider got as a commit message
 THOUGHT = "Read the parser first.</think>\n"

@@ -5,9 +5,9 @@ import json
 
 import mlx.core as mx
 import pytest
-from target_helpers import mlx_lm_from_hf_weights, quantize_like_modelopt, twin_models
+from testkit.target_helpers import mlx_lm_from_hf_weights, quantize_like_modelopt, twin_models
 
-from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 from mlx_dspark.models.nemotron_h import SERIAL_MAX, KVCache, MambaCache, TargetConfig, load_target
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from target_helpers import mlx_lm_from_hf_weights
+from testkit.target_helpers import mlx_lm_from_hf_weights
 
 from mlx_dspark.converter.convert import convert
 from mlx_dspark.models.nemotron_h import load_target

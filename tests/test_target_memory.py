@@ -3,10 +3,10 @@ each tensor in place of its original instead of beside it."""
 
 import mlx.core as mx
 import pytest
-from target_helpers import twin_models
+from testkit.target_helpers import twin_models
 
 from mlx_dspark.models import nemotron_h as T
-from mlx_dspark.testing.toy import tiny_config
+from testkit.toy import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_loading_never_holds_a_tensor_twice(tmp_path):
     is freed as its fp32 copy is made (holding them all would add half the model)."""
     import json
 
-    from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
+    from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
 
     cfg = tiny_config("M*-M*-M*-", hidden_size=512, intermediate_size=1024,
                       vocab_size=1024, mamba_num_heads=16, mamba_head_dim=32)

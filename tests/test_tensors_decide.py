@@ -21,9 +21,9 @@ from mlx_dspark.api import DEMO
 from mlx_dspark.converter import convert
 from mlx_dspark.converter.errors import ConversionError
 from mlx_dspark.models import nemotron_h
-from mlx_dspark.testing.mlx_lm_layouts import dense_hf, mlx_lm_convert, with_config
+from testkit.mlx_lm_layouts import dense_hf, mlx_lm_convert, with_config
 
-from server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, started_engine
 
 MODELOPT = Path(__file__).parent / "fixtures" / "modelopt" / "target_bf16"
 
@@ -234,7 +234,7 @@ def test_ids_are_checked_against_the_table_that_exists():
 
 
 def test_a_model_built_in_python_with_a_vocab_past_its_table_is_refused():
-    from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+    from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
     cfg = tiny_config()
     w = hf_weights_from_mlx_lm(random_mlx_lm_model(cfg), stacked=True)
     with pytest.raises(ValueError, match="vocab_size 1000 but the embedding table has 97 rows"):

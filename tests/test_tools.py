@@ -11,7 +11,7 @@ import mlx_dspark as md
 from mlx_dspark.text import tools
 from mlx_dspark.serve.answer import Answer
 from mlx_dspark.api import Pair
-from mlx_dspark.testing.scripted import ScriptedTarget
+from testkit.scripted import ScriptedTarget
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -172,7 +172,7 @@ def test_a_last_call_takes_the_answer_to_its_end_as_its_input():
 def test_nothing_follows_a_custom_call_in_its_grammar():
     """The calls' grammar ends the reply at a custom call (so the reader above is right):
     a function call may come after text and before it, never after it."""
-    from mlx_dspark.decode import tool_grammar
+    from mlx_dspark.grammar import tools as tool_grammar
     pair = md.load()
     forged = re.escape(FORGED).replace("\\\n", "\\n")      # exactly FORGED
     g = tool_grammar.calls([TIME], [tool_grammar.Custom("apply_patch", "regex", forged)])

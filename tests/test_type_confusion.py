@@ -14,7 +14,7 @@ import pytest
 
 from starlette.testclient import TestClient
 
-from agent_helpers import call, scripted_engine
+from testkit.agent_helpers import call, scripted_engine
 from mlx_dspark.serve.app import create_app
 
 SHELL_SCHEMA = {"type": "object", "required": ["command"],

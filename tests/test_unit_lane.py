@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.testing.toy import tiny_target
+from testkit.toy import tiny_target
 
 
 def load_it():

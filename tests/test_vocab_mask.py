@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.decode.sampling import gumbel_max, warp
+from mlx_dspark.logits.sampling import gumbel_max, warp
 from mlx_dspark.request import Request
 
 LIMIT = 4000        # the demo's greedy answer to PROMPT uses ids above it (4060, 4038)

@@ -224,7 +224,7 @@ def _label(name, args) -> str:
 
 def _positions(drafter, num_draft) -> int:
     """Draft positions a run at ``num_draft`` can test ("auto": the longest it may choose)."""
-    from ..decode import length
+    from ..policy import length
     return length.longest(drafter) if num_draft == AUTO_DRAFT else num_draft
 
 

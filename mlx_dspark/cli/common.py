@@ -262,7 +262,7 @@ _seed.__name__ = "seed"
 def load_pair(args: argparse.Namespace):
     """The pair named by --model/--drafter/--dtype, or the embedded demo pair; the sampling
     options are checked first, so a typo costs no loading time."""
-    from .. import api
+    from .. import loading
 
     if hasattr(args, "sampling"):      # generate, chat, bench (serve checks its own defaults)
         try:
@@ -275,24 +275,24 @@ def load_pair(args: argparse.Namespace):
         except RequestError as e:
             raise flag_error(e) from None
 
-    if args.model is None and not (api.DEMO / "target").is_dir():
-        raise CommandError(f"the embedded demo pair is not installed ({api.DEMO / 'target'} is "
+    if args.model is None and not (loading.DEMO / "target").is_dir():
+        raise CommandError(f"the embedded demo pair is not installed ({loading.DEMO / 'target'} is "
                            f"missing); pass --model DIR [--drafter DIR]")
     drafter = args.drafter
     if drafter is None and args.model is not None:
         drafter = "auto"            # the drafter made for this model, when one is known
     try:
-        pair = api.load(args.model, drafter, dtype=args.dtype, verify=args.verify,
+        pair = loading.load(args.model, drafter, dtype=args.dtype, verify=args.verify,
                         memory_check=not args.no_memory_check, warm=False,
                         allowed_local_media_path=getattr(args, "allowed_local_media_path",
                                                          None))
     except (OSError, ValueError) as e:   # the loaders name the file and the problem
         raise CommandError(_one_line(e)) from None
-    if api.kernel_cache_cold():
+    if loading.kernel_cache_cold():
         print(f"mlx-dspark {args.command}: first run on this machine: MLX compiles its CPU "
               f"kernels now (about a minute; later runs reuse them)", file=sys.stderr,
               flush=True)
-    api.warm_up(pair, getattr(args, "num_draft", 3))
+    loading.warm_up(pair, getattr(args, "num_draft", 3))
     return pair
 
 

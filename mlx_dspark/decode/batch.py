@@ -21,12 +21,13 @@ import mlx.core as mx
 
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
-from . import budget, constraint as constraints
-from .batch_control import BatchControl, SizeControl, cohort
+from . import budget
+from ..logits import constraint as constraints
+from ..policy.batch_control import BatchControl, SizeControl, cohort
 from .loop import Ahead as RowAhead
 from .loop import (_emit, _first, _serial, _speculate, builds_ahead, first_steps, pick,
                    round_steps, undo_ahead)
-from .processors import Processors
+from ..logits.processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
 

@@ -10,7 +10,7 @@ import time
 
 import mlx.core as mx
 
-from . import length
+from ..policy import length
 from .session import Session
 
 CALIBRATION_TOKENS = 32   # the scratch context the curve is measured after

@@ -33,12 +33,13 @@ import mlx.core as mx
 from .. import device
 from ..request import Request
 from ..stats import Stats
-from . import budget, constraint as constraints, sampling
-from .draw import Draw
+from . import budget
+from ..logits import constraint as constraints, sampling
+from ..logits.draw import Draw
 from .prefill import prefill, prefill_steps, to_the_end  # noqa: F401 (prefill: public)
-from .processors import Processors
+from ..logits.processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
-from .sampling import constrain
+from ..logits.sampling import constrain
 from .session import Session
 
 

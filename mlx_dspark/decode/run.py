@@ -14,10 +14,10 @@ from ..models.media_rows import known
 from ..request import AUTO_DRAFT, NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import costs
-from .constraint import Grammatical, Unconstrained
-from .controller import Controller
-from .processors import BLAMED, Processors
-from .sampling import Noise, Sampler, log_probs
+from ..logits.constraint import Grammatical, Unconstrained
+from ..policy.controller import Controller
+from ..logits.processors import BLAMED, Processors
+from ..logits.sampling import Noise, Sampler, log_probs
 from .session import Session
 
 

@@ -15,8 +15,8 @@ from typing import Callable, Protocol
 import mlx.core as mx
 
 from ..models.media_rows import text_ids
-from .controller import Controller
-from .draw import Draw
+from ..policy.controller import Controller
+from ..logits.draw import Draw
 
 
 class Cache(Protocol):

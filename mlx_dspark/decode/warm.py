@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..kernels.norm import FUSED_ROWS
 from ..request import AUTO_DRAFT, Request
-from . import length
+from ..policy import length
 from .loop import decode
 from .session import Session
 

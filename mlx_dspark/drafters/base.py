@@ -10,7 +10,7 @@ draft follows another; the rest is here, once:
   reads tokens (``pairs_tokens``: the newest row waits in ``cache.last``), and hands the rows to
   the kind (``context_rows``).
 * ``propose(bonus, n, draw)`` (:meth:`DrafterBase.propose`): the loop hands one
-  :class:`~mlx_dspark.decode.draw.Draw` (the request's sampling, the noise, a grammar's
+  :class:`~mlx_dspark.logits.draw.Draw` (the request's sampling, the noise, a grammar's
   constraint, the logits processors and the history before the first draft), and the kind's
   ``draft`` runs its rows through :meth:`Draw.chain`: row logits, then the processors, then the
   grammar's mask, then Gumbel-max (argmax when greedy), then the next row.
@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from ..checkpoint.integrity import check_checkpoint
 from ..converter.layout import LAYOUT
-from ..decode.draw import Draw
+from ..logits.draw import Draw
 from ..models.nemotron_h import compute_dtype
 from ..models.weights import CheckpointError, _embedding_identical, read_weights, shared_embedding
 

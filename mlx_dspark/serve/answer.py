@@ -1,7 +1,7 @@
 """A reply's chunks read into what the server APIs send (free of MLX): its thinking, its
 text and its tool calls, in order, as they arrive.
 
-The chunks already carry the thinking apart from the answer (api.Chunk.reasoning); here the
+The chunks already carry the thinking apart from the answer (text.stream.Chunk.reasoning); here the
 answer goes through tools.Stream when the request declared tools, so that streamed events and
 the whole answer hold the same calls and the same text. ``prefill`` is text the server wrote
 at the start of the reply in the prompt (a forced tool call's opening), read as if the model

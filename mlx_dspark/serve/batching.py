@@ -7,7 +7,7 @@ A request joins between two steps. Its prompt is prefilled a piece at a time (th
 (several short prompts, or one piece of a long one) beside the rows already decoding, the
 shortest prompt left first: a short request is not stuck behind a long
 prefill, and a cancelled one stops between two pieces. Each row's tokens become chunks by
-``api.chunks``, the chunk builder ``api.stream`` runs on decode's tokens, fed here with the
+``text.stream.chunks``, the chunk builder ``api.stream`` runs on decode's tokens, fed here with the
 row's tokens and the stats as they stood at each, so a row's chunks are the ones its request
 gets alone. The prompt cache serves every row as it serves a request alone (PromptCache's
 parts: start, the checkpoints while it prefills, remember at the end of the answer); a
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .. import api, device
+from .. import device
 from ..decode import pieces
 from ..decode.batch import Batch, Row
 from ..decode.session import Session
 from ..stats import Stats
+from ..text.stream import chunks
 from .job import CANCELLED, Job, Left
 
 
@@ -47,7 +48,7 @@ class Member:
 
     def tokens_fed(self):
         """The token source of its chunks: each token, the shown stats set to what they were
-        as it came. The engine hands out one chunk per token fed (api.chunks makes one per
+        as it came. The engine hands out one chunk per token fed (text.stream.chunks makes one per
         token), so the source never runs dry before the row has ended."""
         while self.fed:
             token, seen = self.fed.popleft()
@@ -93,7 +94,7 @@ class Rows:
             stats = Stats()
             member.joining = self.batch.join(session, job.request, stats,
                                              engine.prefilling(job, member.prefill))
-            member.chunks = api.chunks(engine.pair, job.request, member.tokens_fed(),
+            member.chunks = chunks(engine.pair, job.request, member.tokens_fed(),
                                        member.shown)
         except Exception as e:          # refused (a prompt past the vocabulary...)
             engine.failed(job, e, session)

@@ -207,7 +207,7 @@ def constraint_options(body: dict, use: ToolUse) -> dict:
     json_schema), or for a forced ``tool_choice`` (``use.prefill``, the call's opening the
     prompt ends with) the grammar of the rest of Nemotron's tool calls to ``tools``
     (grammar.tool_calls), so that the call is well formed and its arguments typed."""
-    from ..decode import grammar
+    from ..grammar import grammars as grammar
     from ..request import RequestError
     response_format = typed(body, "response_format", (dict,))
     if not use.prefill:

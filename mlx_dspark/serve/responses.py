@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..decode import grammar, tool_grammar
+from ..grammar import grammars as grammar, tools as tool_grammar
 from ..media import parts
 from ..request import RequestError
 from ..text import tools

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import api
-from ..decode.grammar_limits import GrammarBusy
+from ..grammar.limits import GrammarBusy
 from ..request import RequestError
 from ..text.tokenizer import chat_ids, message_boundaries, prompt_ids
 from . import anthropic, errors, openai, relay, responses

@@ -1,12 +1,12 @@
 """Serial references for the loop, controller and API tests (the tiny random models they run
-on: mlx_dspark.testing.toy)."""
+on: testkit.toy)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_dspark.decode.batch_control import BatchControl, SizeControl
-from mlx_dspark.decode.controller import Controller
+from mlx_dspark.policy.batch_control import BatchControl, SizeControl
+from mlx_dspark.policy.controller import Controller
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.loop import decode
@@ -18,7 +18,7 @@ def serial_greedy(target, prompt, max_tokens) -> list[int]:
 
 
 def sampler_fields(sampler) -> dict:
-    """A :class:`~mlx_dspark.decode.sampling.Sampler`'s settings as :class:`Request` fields."""
+    """A :class:`~mlx_dspark.logits.sampling.Sampler`'s settings as :class:`Request` fields."""
     return dict(temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
                 sampling=sampler.scheme)
 

@@ -9,9 +9,9 @@ machine (5 to 15 %) is larger than the bound it would test."""
 
 from __future__ import annotations
 
-from ..api import generate
-from ..decode.controller import Controller
-from ..decode.length import Curve, line
+from mlx_dspark.api import generate
+from mlx_dspark.policy.controller import Controller
+from mlx_dspark.policy.length import Curve, line
 
 
 class Modelled(Controller):
@@ -19,7 +19,7 @@ class Modelled(Controller):
     feeds its curve the modelled cost, not the wall time. ``costs``: a round's cost in serial
     steps at each length 1..len; given, the round lengths are chosen ("auto") on the
     least-squares line through them, as the real load-time curve is taken
-    (:func:`~mlx_dspark.decode.length.line`), then refreshed by what the rounds cost; None:
+    (:func:`~mlx_dspark.policy.length.line`), then refreshed by what the rounds cost; None:
     ``num_draft`` drafts every round."""
 
     def __init__(self, num_draft: int | None = None, costs: list[float] | None = None):

@@ -12,11 +12,11 @@ from starlette.testclient import TestClient
 
 from mlx_dspark import api
 from mlx_dspark.serve.engine import Engine
-from mlx_dspark.testing.scripted import ScriptedTarget
+from testkit.scripted import ScriptedTarget
 from mlx_dspark.text.tokenizer import load_tokenizer
-from server_helpers import app_client
+from testkit.server_helpers import app_client
 
-FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+FIXTURES = Path(__file__).parents[1] / "tests" / "fixtures" / "agents"
 THOUGHT = "Thinking it over.\n</think>\n"
 NO_TOOLS = "A plain answer."
 SENT_BY_CLIENT = {"host", "content-length", "content-type"}

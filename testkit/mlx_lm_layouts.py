@@ -2,7 +2,7 @@
 Hugging Face directory (the demo target's weights, dequantized exactly) put through mlx-lm's
 own ``mlx_lm.convert``, at every precision it writes (``FORMATS``).
 
-``python -m mlx_dspark.testing.mlx_lm_layouts OUT`` writes the dense source and every format
+``python -m testkit.mlx_lm_layouts OUT`` writes the dense source and every format
 under OUT (what docs/formats.md's table was measured on)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..open_files import import_mlx_lm
+from mlx_dspark.open_files import import_mlx_lm
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json")
@@ -134,6 +134,6 @@ def make_all(out: str | Path, source: str | Path, formats=None) -> dict:
 
 
 if __name__ == "__main__":
-    from ..api import DEMO
+    from mlx_dspark.api import DEMO
     for name, path in make_all(sys.argv[1], DEMO / "target").items():
         print(name, path)

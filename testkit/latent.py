@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .codecs import bf16_bytes, nvfp4_dequantize, nvfp4_quantize, write_raw_safetensors
-from .toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
+from testkit.codecs import bf16_bytes, nvfp4_dequantize, nvfp4_quantize, write_raw_safetensors
+from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model, tiny_config
 
 LATENT = 32
 """The toy's latent width (its hidden size is 64): a multiple of every MLX group size."""
@@ -33,7 +33,7 @@ def random_latent_mtp(model, cfg: dict, seed=7) -> dict:
     """An ``mtp.*`` block (pattern ``*E``) for ``model`` in NVIDIA's names, per-expert tensors,
     its MoE layer latent as the target's are: mlx-lm's own MoE layer at random supplies the
     MoE tensors, the rest are drawn here."""
-    from ..open_files import import_mlx_lm
+    from mlx_dspark.open_files import import_mlx_lm
     nh = import_mlx_lm("mlx_lm.models.nemotron_h")
     mx.random.seed(seed)
     h = cfg["hidden_size"]
@@ -143,7 +143,7 @@ def modelopt_nvfp4(hf, out, quantize_latent=True):
 
 def mlx_lm_model_on(cfg: dict, hf_weights: dict):
     """mlx-lm's ``nemotron_h`` holding ``hf_weights`` (Hugging Face names), float32."""
-    from ..open_files import import_mlx_lm
+    from mlx_dspark.open_files import import_mlx_lm
     nh = import_mlx_lm("mlx_lm.models.nemotron_h")
     model = nh.Model(nh.ModelArgs.from_dict(cfg))
     w = model.sanitize({k: v.astype(mx.float32) for k, v in hf_weights.items()})

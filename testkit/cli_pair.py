@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = Path(__file__).parents[1] / "tests" / "fixtures" / "modelopt"
 VOCAB = 256          # the fixture target's vocab_size
 MASK_ID = 250        # the fixture drafter's mask_token_id: reserved, no text encodes to it
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
@@ -66,9 +66,9 @@ def write_tokenizer(out: Path) -> None:
 def make_pair(root: Path, target: str = "target_w4a16", drafters: bool = False):
     """Convert the fixture exports into ``root``; returns (target_dir, drafter_dir), and with
     ``drafters`` also an EAGLE-3 head's dir, the target then carrying an MTP block (both
-    random, synthetic: mlx_dspark.testing.synthetic)."""
+    random, synthetic: testkit.synthetic)."""
     from mlx_dspark.converter import convert
-    from mlx_dspark.testing.synthetic import add_mtp_block, synth_eagle3
+    from testkit.synthetic import add_mtp_block, synth_eagle3
 
     src = root / "src"
     shutil.copytree(FIXTURES / target, src)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..drafters import dspark as D
-from ..drafters import config as DC
-from ..models.nemotron_h import NemotronH, TargetConfig
-from ..open_files import import_mlx_lm
+from mlx_dspark.drafters import dspark as D
+from mlx_dspark.drafters import config as DC
+from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
+from mlx_dspark.open_files import import_mlx_lm
 
 mlx_lm_nh = import_mlx_lm("mlx_lm.models.nemotron_h")
 
@@ -136,7 +136,7 @@ def dflash_config(target, layers=2, windows=(None, 5), block_size=8, tap_layers=
 
 def random_dflash(target, seed=0, **config):
     """The DFlash drafter of :func:`dflash_config` with random weights (a useless drafter)."""
-    from ..drafters.dflash import DFlashDrafter, parse_config
+    from mlx_dspark.drafters.dflash import DFlashDrafter, parse_config
     cfg = parse_config(dflash_config(target, **config), "toy")
     drafter = DFlashDrafter(cfg, random_block_weights(cfg, seed), target, mx.float32,
                             share_embedding=True)
@@ -183,7 +183,7 @@ def random_mtp_weights(target, pattern="*E", seed=0) -> dict:
 
 def random_mtp(target, pattern="*E", seed=0):
     """The MTP drafter over :func:`random_mtp_weights` (a useless drafter)."""
-    from ..drafters.mtp import MTPDrafter
+    from mlx_dspark.drafters.mtp import MTPDrafter
     drafter = MTPDrafter(target, random_mtp_weights(target, pattern, seed), pattern)
     mx.eval(drafter.parameters())
     return drafter
@@ -234,7 +234,7 @@ def random_eagle3_weights(target, draft_vocab=48, aux=(1, 3, 5), seed=0,
 
 def random_eagle3(target, **kw):
     """The EAGLE-3 drafter over :func:`random_eagle3_weights` (a useless drafter)."""
-    from ..drafters.eagle3 import Eagle3Drafter, parse_config
+    from mlx_dspark.drafters.eagle3 import Eagle3Drafter, parse_config
     w, config = random_eagle3_weights(target, **kw)
     cfg = parse_config(config, "toy", target.config.num_hidden_layers)
     drafter = Eagle3Drafter(cfg, w, target, mx.float32, "embed_tokens.weight" not in w)

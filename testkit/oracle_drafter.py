@@ -21,7 +21,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from ..decode.draw import Draw
+from mlx_dspark.logits.draw import Draw
 
 
 class OracleDrafter:

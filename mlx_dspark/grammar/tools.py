@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass, replace
 
 from ..request import RequestError
-from . import grammar
-from . import grammar_limits as limits
-from .grammar import Grammar
+from . import grammars as grammar
+from . import limits
+from .grammars import Grammar
 
 PARAM = "input"
 SYNTAXES = ("lark", "regex")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .codecs import bf16_bytes, read_raw_safetensors, write_raw_safetensors
+from testkit.codecs import bf16_bytes, read_raw_safetensors, write_raw_safetensors
 
 MEDIA = {"vision_model.radio_model.model.patch_generator.embedder.weight": (64, 48),
          "vision_model.radio_model.model.blocks.0.mlp.fc1.weight": (128, 64),
@@ -116,7 +116,7 @@ def tiny_tokenizer(out: Path) -> int:
 
 def tiny_omni_config(vocab: int) -> dict:
     """An Omni parent's config.json at toy size (RADIO and Parakeet towers of one block)."""
-    from .toy import tiny_config
+    from testkit.toy import tiny_config
 
     text = tiny_config("M*EME", vocab_size=vocab, num_hidden_layers=5,
                        architectures=["NemotronHForCausalLM"], time_step_limit=[0.0, 1e9])
@@ -145,13 +145,13 @@ PREPROCESSOR = {"norm_mean": [0.48, 0.46, 0.41], "norm_std": [0.27, 0.26, 0.28],
 
 def hf_names(model) -> dict:
     """mlx-vlm's Omni parameters under the parent's Hugging Face names (inverse of its
-    ``sanitize``): the text tower as mlx_dspark.testing.toy writes it, the projector as
+    ``sanitize``): the text tower as testkit.toy writes it, the projector as
     ``mlp1.{0,1,3}``, the audio convolutions in PyTorch's layout beside a feature-extractor
     buffer (which is how mlx-vlm tells that layout)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .toy import hf_weights_from_mlx_lm
+    from testkit.toy import hf_weights_from_mlx_lm
 
     out = {f"language_model.{k}": v
            for k, v in hf_weights_from_mlx_lm(model.language_model).items()}
@@ -254,7 +254,7 @@ def vlm_inputs(pair, text: str, images=(), audio=()):
     media bytes: its prompt ids and its inputs (pixel values, sound clips)."""
     from PIL import Image
 
-    from ..media import parts
+    from mlx_dspark.media import parts
     proc = pair.tokenizer.media.processor
     inputs = proc(text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images]
                   or None, audio=[parts.decode(parts.Media("audio", a, "x", "wav")).decoded

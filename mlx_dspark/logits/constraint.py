@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .grammar import Constraint
+from ..grammar.grammars import Constraint
 
 
 class Unconstrained:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..request import RequestError
-from . import grammar_limits as limits
+from . import limits
 
 
 def _ll():
@@ -189,7 +189,7 @@ def of(value) -> Grammar | None:
         return value
     if isinstance(value, dict):
         return json_schema(value)
-    raise RequestError("grammar", f"grammar must be a mlx_dspark.decode.grammar.Grammar or a JSON "
+    raise RequestError("grammar", f"grammar must be a mlx_dspark.grammar.grammars.Grammar or a JSON "
                                   f"schema (dict), not {type(value).__name__}")
 
 

@@ -4,9 +4,9 @@ drafters made per prompt (the oracle drafters need the serial output in advance)
 
 from __future__ import annotations
 
-from ..cli.measure import MODES, measure, run_once, summarize
-from ..decode.session import ControllerHome
-from ..request import Request
+from mlx_dspark.cli.measure import MODES, measure, run_once, summarize
+from mlx_dspark.decode.session import ControllerHome
+from mlx_dspark.request import Request
 
 
 def compare(target, make_drafter, prompts, max_tokens=64, num_draft=3, options=None,

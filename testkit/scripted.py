@@ -89,7 +89,7 @@ def by_tool_results(tokenizer, replies: list[str]):
     """A ``choose`` for an agent's turns: the reply after k tool results is ``replies[k]``
     (the last one once they run out). A reply without ``</think>`` to a prompt that opens a
     thinking block (a client that asks for thinking) thinks one line first."""
-    from ..text import reasoning
+    from mlx_dspark.text import reasoning
 
     def choose(prompt_ids):
         text = tokenizer.decode(prompt_ids)
@@ -101,7 +101,7 @@ def by_tool_results(tokenizer, replies: list[str]):
 
 
 def main(argv=None):
-    """``python -m mlx_dspark.testing.scripted REPLIES.json --port N [--api-key K]
+    """``python -m testkit.scripted REPLIES.json --port N [--api-key K]
     [--prefix-cache-mb MB]``: a real server whose target writes the replies of REPLIES.json
     (a list of strings, chosen by how many tool results the prompt holds), with the demo
     pair's tokenizer."""
@@ -109,12 +109,12 @@ def main(argv=None):
     import json
     from pathlib import Path
 
-    from .. import api
-    from ..serve.app import listen, serve
-    from ..serve.engine import Engine
-    from ..text.tokenizer import load_tokenizer
+    from mlx_dspark import api
+    from mlx_dspark.serve.app import listen, serve
+    from mlx_dspark.serve.engine import Engine
+    from mlx_dspark.text.tokenizer import load_tokenizer
 
-    p = argparse.ArgumentParser(prog="mlx_dspark.testing.scripted")
+    p = argparse.ArgumentParser(prog="testkit.scripted")
     p.add_argument("replies", type=Path)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--api-key")

@@ -1,5 +1,5 @@
 """Tiny random Nemotron-H models for the target tests: the same weights for our target and for
-mlx-lm's ``nemotron_h`` (an independent implementation; the random models: mlx_dspark.testing.toy)."""
+mlx-lm's ``nemotron_h`` (an independent implementation; the random models: testkit.toy)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.models import nemotron_h as mlx_lm_nh
 
 from mlx_dspark.models.nemotron_h import NemotronH, TargetConfig
-from mlx_dspark.testing.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
+from testkit.toy import hf_weights_from_mlx_lm, random_mlx_lm_model
 
 
 def twin_models(cfg: dict, seed=0, dtype=mx.float32):

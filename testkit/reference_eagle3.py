@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_mtp import rms
+from testkit.reference_mtp import rms
 
 
 def rope(x, pos, theta):

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.pairing import LIGHTNING_PATTERN
-from .codecs import (E2M1, E4M3, bf16_bytes, nvfp4_quantize, nvfp4_dequantize, fp8_quantize,
-                     write_raw_safetensors, read_raw_checkpoint)
+from mlx_dspark.checkpoint.pairing import LIGHTNING_PATTERN
+from testkit.codecs import (E2M1,
+    E4M3,
+    bf16_bytes,
+    nvfp4_quantize,
+    nvfp4_dequantize,
+    fp8_quantize,
+    write_raw_safetensors,
+    read_raw_checkpoint)
 
 # ---------------------------------------------------------------- checkpoints
 
@@ -533,7 +539,7 @@ def main(argv=None) -> int:
     import sys
     import time
     ap = argparse.ArgumentParser(
-        prog="python -m mlx_dspark.testing.synthetic",
+        prog="python -m testkit.synthetic",
         description="Write a synthetic ModelOpt W4A16_NVFP4 export with NVIDIA Nemotron 3.5 "
                     "Lightning's shapes and quantization layout (random weights).")
     ap.add_argument("out")
