@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from ..decode.pieces import PREFILL_BUDGET
 from ..stats import format_stats
 
 from ..request import AUTO_DRAFT, MODES, RequestError, check_sampling
@@ -273,10 +274,15 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                         "its model name there finds it; any name a request gives is answered "
                         "anyway); repeatable")
     p.add_argument("--max-batch", type=_at_least(1), default=MAX_BATCH, metavar="N",
-                   help="requests decoded together, each exactly as alone; a request with a "
-                        "thinking budget runs alone when it is next; 1: one at a time "
+                   help="requests decoded together, each exactly as alone (a thinking "
+                        "budget's too); 1: one at a time "
                         f"(default {MAX_BATCH}: the highest aggregate throughput measured, "
                         "docs/serve.md)")
+    p.add_argument("--prefill-budget", type=_at_least(1), default=PREFILL_BUDGET, metavar="N",
+                   help="prompt tokens a joining request prefills per step, on average, "
+                        "while others decode (whole pieces, as the budget accrues): lower "
+                        "keeps the decoding rows' pace, higher the prefill's "
+                        f"(default {PREFILL_BUDGET}, docs/batching.md)")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
                    help="requests that may wait while the batch is full; more get HTTP 503 "
                         "(default 16)")
@@ -436,7 +442,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_connections=args.max_connections)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
                     use_drafter=args.speculative != "off", store=disk_store_factory(args),
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, prefill_budget=args.prefill_budget)
     code = 0
     try:
         engine.start()      # loads the pair on the engine's thread; CommandError comes here

@@ -33,17 +33,22 @@ from .session import Session
 
 @dataclass(eq=False)
 class Row:
-    """One sequence of a batch: its stretch of decoding (loop.Run), the tokens its last step
-    emitted, the room left after them (None once it has ended) and why it ended early
-    (``error``: the exception the row alone would have raised)."""
+    """One sequence of a batch: its stretch of decoding (loop.Run; None for a reply written
+    whole before it decoded: a budget of 0 with no room after the closing ids), the tokens its
+    last step emitted, the room left after them (None once it has ended) and why it ended
+    early (``error``: the exception the row alone would have raised). A request with a
+    thinking budget keeps its ``plan`` (budget.Plan): its stretches follow one another within
+    the row, the closing ids ``written`` between two steps, emitted with the next one."""
 
-    run: Run
+    run: Run | None
     tokens: list[int] = field(default_factory=list)
     # the stats as they stood as each of ``tokens`` was handed out (a consumer that streams
     # the row sees what it would see alone: the count so far, the finish reason on the last)
     seen: list[Stats] = field(default_factory=list)
     room: int | None = None
     error: Exception | None = None
+    plan: budget.Plan | None = None
+    written: list[tuple[int, Stats]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -51,7 +56,7 @@ class Row:
 
     @property
     def stats(self) -> Stats:
-        return self.run.stats
+        return self.plan.stats if self.plan is not None else self.run.stats
 
 
 @dataclass(eq=False)
@@ -113,7 +118,7 @@ class Batch:
 
     def _joined(self, row: Row):
         try:
-            token = yield from first_steps(row.run)
+            token = None if row.run is None else (yield from first_steps(row.run))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:
             row.room, row.error = None, e
             return row
@@ -122,21 +127,10 @@ class Batch:
             self.rows.append(row)
         return row
 
-    @staticmethod
-    def refusal(request: Request) -> RequestError | None:
-        """Why a batch does not take ``request`` (decode it alone), or None."""
-        if budget.applies(request):
-            return RequestError("thinking_token_budget", "a thinking budget is not decoded "
-                                                         "in a batch yet; decode it alone")
-        return None
-
     def _start(self, session: Session, request: Request, stats: Stats | None,
                progress=None) -> Row:
         """The row of ``request`` on ``session``, checked and started, not yet prefilled."""
         check(session, request)
-        refused = self.refusal(request)
-        if refused is not None:
-            raise refused
         if self.rows and session.target is not self.rows[0].run.session.target:
             raise ValueError("every row of a batch decodes on one target")
         if any(r.run.session is session for r in self.rows):
@@ -146,7 +140,31 @@ class Batch:
         undo_ahead(session)            # a suspended generator's step built ahead
         session.generation += 1
         call.generation = session.generation
-        return Row(Run.start(call, request, stats if stats is not None else Stats()))
+        stats = stats if stats is not None else Stats()
+        if not budget.applies(request):
+            return Row(Run.start(call, request, stats))
+        plan = budget.Plan(request, stats, call)
+        thinking = plan.thinking()
+        if thinking is not None:
+            return Row(Run.start(call, thinking, Stats()), plan=plan)
+        row = Row(None, plan=plan)
+        self._close(row, None)
+        return row
+
+    def _close(self, row: Row, part: Stats | None) -> bool:
+        """The thinking stretch of ``row`` (``part``: its stats; None: a budget of 0) ended
+        within the reply: the closing ids written (``row.written``), then the last stretch
+        started, its prompt not yet prefilled; False when the ids ended the reply."""
+        plan = row.plan
+        closing = plan.closing(part)
+        for token in closing:
+            over = plan.closed(token)
+            row.written.append((token, plan.stats.snapshot()))
+            if over:
+                return False
+            plan.advance(token)
+        row.run = Run.start(plan.call, plan.rest(), Stats(), forced=len(closing))
+        return True
 
     def remove(self, row: Row):
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
@@ -282,21 +300,49 @@ class Batch:
 
     def _emit(self, row: Row, out):
         """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
-        would (loop._emit: stop tokens, max_tokens, the constraint advanced). A row whose step
-        raises ends with that error."""
+        would (loop._emit: stop tokens, max_tokens, the constraint advanced), after the
+        closing ids written since its last step. A row whose step raises ends with that
+        error. A thinking budget's stretch that ends within the reply is followed by the
+        closing ids and the last stretch's first token (its prompt's few new tokens
+        prefilled), as alone."""
         row.tokens, row.seen = [], []
+        _take_written(row)
+        if row.run is None:
+            return                      # its reply was written whole
         try:
-            emit = _emit(row.run, out())
-            while True:
-                row.tokens.append(next(emit))
-                row.seen.append(row.stats.snapshot())
-        except StopIteration as end:
-            row.room = end.value
+            row.room = self._out(row, _emit(row.run, out()))
+            if row.done and row.plan is not None and row.stats.finish_reason is None:
+                undo_ahead(row.run.session)
+                going = self._close(row, row.run.stats)
+                _take_written(row)
+                if going:
+                    row.run.call.progress = None    # the prefill's callback was the join's
+                    row.room = self._out(row, _emit(row.run, [_first(row.run)]))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:   # RequestError: a
             row.room, row.error = None, e                # grammar past llguidance's limits
         run = row.run
         if row.done and run.session.generation == run.call.generation:
             undo_ahead(run.session)     # it ended (a stop token is emitted, never fed)
+
+    def _out(self, row: Row, emit) -> int | None:
+        """The tokens of ``emit`` (loop._emit over one step) added to the row's, each with
+        the stats as they stood; the room after them."""
+        try:
+            while True:
+                token = next(emit)
+                if row.plan is not None:
+                    row.plan.took(token, row.run.stats)
+                row.tokens.append(token)
+                row.seen.append(row.stats.snapshot())
+        except StopIteration as end:
+            return end.value
+
+
+def _take_written(row: Row):
+    """The closing ids written since the row's last step join its tokens."""
+    row.tokens += [t for t, _ in row.written]
+    row.seen += [s for _, s in row.written]
+    row.written = []
 
 
 def _taken(ahead: list[Ahead], groups: list) -> dict[int, Ahead]:

@@ -35,7 +35,7 @@ from ..request import Request
 from ..stats import Stats
 from . import budget, constraint as constraints, sampling
 from .draw import Draw
-from .prefill import prefill, prefill_steps, to_the_end  # noqa: F401 (prefill: public)
+from .prefill import prefill, prefill_steps, reuse, to_the_end  # noqa: F401 (prefill: public)
 from .processors import Processors
 from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
 from .sampling import constrain
@@ -164,9 +164,10 @@ def decode(session: Session, request: Request, stats: Stats | None = None,
     return device.housekept(tokens, (session.target, session.drafter))
 
 
-def _decode(call: Call, request: Request, stats: Stats) -> Iterator[int]:
-    """One stretch: the prompt prefilled, then a round or a serial step until the run ends."""
-    run = Run.start(call, request, stats)
+def _decode(call: Call, request: Request, stats: Stats, forced: int = 0) -> Iterator[int]:
+    """One stretch: the prompt prefilled, then a round or a serial step until the run ends
+    (``forced``: the prompt's last tokens that belong to the reply, Run.forced)."""
+    run = Run.start(call, request, stats, forced)
     out = [_first(run)]
     try:
         while (room := (yield from _emit(run, out))) is not None:
@@ -190,13 +191,17 @@ def first_steps(run: Run):
     the last (prefill.prefill_steps), and returns the first token."""
     session, stats, prompt = run.session, run.stats, list(run.request.prompt)
     t0 = time.perf_counter()
-    stats.reused_tokens = session.reuse(prompt)
+    forced = run.forced if run.scores is not None else 0
+    stats.reused_tokens = reuse(session, prompt, forced)
     stats.generated = 0
-    last = (yield from prefill_steps(session, prompt, tap=run.tap,
-                                     progress=run.call.progress))[None]
+    rows = yield from prefill_steps(session, prompt, tap=run.tap, progress=run.call.progress,
+                                    scored=forced)
+    last = rows[-1:] if forced else rows[None]
     token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
+    if forced:
+        run.score(rows[:-1], prompt[-forced:])
     run.score(last, [token])
     return token
 

@@ -3,9 +3,8 @@ the generations, first come first served.
 
 With ``max_batch`` 1 it runs one generation at a time on one session. With more, up to
 ``max_batch`` requests decode together (batching.py: each on a session of its own, its prompt
-prefilled in pieces beside the others' steps); a request a batch does not take (a thinking
-budget) runs alone when it is next, once the batch has emptied. Either way each generation is
-exactly what ``generate()`` gives it alone. Every MLX call happens on this thread, loading
+prefilled in pieces beside the others' steps; a thinking budget's too). Either way each
+generation is exactly what ``generate()`` gives it alone. Every MLX call happens on this thread, loading
 included, so no lazy array crosses threads. The engine keeps session snapshots in a
 :class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``): taken at message
 ends and every few thousand tokens while prefilling and at the end of each prompt and answer,
@@ -19,6 +18,7 @@ import logging
 import threading
 
 from .. import api
+from ..decode.pieces import PREFILL_BUDGET
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
 from ..request import NonFiniteLogits, RequestError
@@ -44,12 +44,13 @@ class Engine:
     (prompt_cache.disk.PromptStore) or None; ``use_drafter`` False (a server that never
     speculates) keeps the drafter out of the session, so no taps are collected;
     ``max_batch`` requests decode together (batching.py; 1: one at a time), and
-    ``max_queue`` more may wait."""
+    ``max_queue`` more may wait; ``prefill_budget``: the prompt tokens a joining request
+    prefills per turn, on average, while others decode (batching.Rows)."""
 
     def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
-                 store=None, max_batch: int = 1):
+                 store=None, max_batch: int = 1, prefill_budget: int = PREFILL_BUDGET):
         self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
-        self.max_batch = max_batch
+        self.max_batch, self.prefill_budget = max_batch, prefill_budget
         self.rows = None            # the batch (batching.Rows) when max_batch > 1
         self._cache_bytes, self._store = cache_bytes, store
         self.cache: PromptCache | None = None
@@ -145,7 +146,7 @@ class Engine:
             if self._cache_bytes > 0 or store is not None:
                 self.cache = PromptCache(self._cache_bytes, store)
             if self.max_batch > 1:
-                self.rows = Rows(self, self.max_batch)
+                self.rows = Rows(self, self.max_batch, self.prefill_budget)
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
             return
@@ -195,8 +196,8 @@ class Engine:
     def _next(self) -> tuple[str, Job | None] | None:
         """What the thread does next, once there is something: ``("alone", job)`` (now the
         current one), ``("join", job)`` (into the batch), ``("step", None)`` (the batch's next
-        turn); None once stopping. The queue is served in order: a job the batch does not
-        take waits, at its head, until the batch has emptied."""
+        turn); None once stopping. The queue is served in order: the job at its head joins
+        once a place is free."""
         with self._lock:
             while not self._stopping:
                 head = self._waiting[0] if self._waiting else None
@@ -237,8 +238,7 @@ class Engine:
         (the generation stops here)."""
         tokens += [] if chunk.stop else [chunk.token]
         if chunk.finish_reason is not None and job.request.logprobs is not None:
-            job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
-                                                   tokens, chunk.stats.logprobs))
+            job.emit("logprobs", logprobs.of_reply(tokens, chunk.stats))
         if chunk.stats.finish_detail == "context":     # logged before the client hears it
             log.warning("a reply ended at the model's context limit (%s tokens: %d of "
                         "prompt, %d generated)", self.pair.target.context_limit,
