@@ -16,17 +16,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import Iterator
 
 import mlx.core as mx
 
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
-from . import budget, constraint as constraints
+from . import budget, constraint as constraints, loop
 from .batch_control import BatchControl, SizeControl, cohort
 from .loop import Ahead as RowAhead
 from .loop import (_emit, _first, _serial, _speculate, builds_ahead, first_steps, pick,
                    round_steps, undo_ahead)
 from .processors import Processors
+from .prefill import to_the_end
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
 
@@ -189,9 +191,10 @@ class Batch:
                   for key, group in groupby(plans, key=lambda plan: plan[0])]
         taken = _taken(ahead, groups)
         for i, ((n, taps, tag), group) in enumerate(groups):
-            if len(group) == 1 and not n:       # alone: the loop's serial step, built ahead
+            if len(group) == 1:     # alone: the loop's own step (a serial one built ahead)
                 row, token = group[0], group[0].tokens[-1]
-                self._emit(row, lambda: [_serial(row.run, token, row.room)])
+                self._emit(row, (lambda: loop._round(row.run, token, n)) if n else
+                           (lambda: [_serial(row.run, token, row.room)]), step=True)
                 continue
             if i not in taken:
                 for row in group:
@@ -204,8 +207,6 @@ class Batch:
                 self._rounds(group, n, taps, control)
             else:
                 self._serial(group, taps, control, taken.get(i))
-        for row in rows:
-            row.run.note_mode()
         self.rows = [r for r in self.rows if not r.done]
         self._keep_whole()
         return rows
@@ -273,7 +274,7 @@ class Batch:
             built.since = t_read
             self.ahead.append(built)
         for row, token, part in zip(rows, read, parts):
-            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds))
+            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds), step=True)
         if control is not None:
             control.observe_serial(seconds)
 
@@ -293,14 +294,15 @@ class Batch:
                                           verify=True)
         verdicts = [s.send((logits[i], tapped[i])) for i, s in enumerate(steps)]
         for row, s, read in zip(rows, steps, mx.stack(verdicts).tolist()):
-            self._emit(row, lambda: s.send(read))
+            self._emit(row, lambda: s.send(read), step=True)
         if control is not None:
             control.rows = [row.run.control.alpha() for row in rows]   # after the verdicts
             control.observe_round(time.perf_counter() - t0, n, 0, 0)
 
-    def _emit(self, row: Row, out):
-        """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
-        would (loop._emit: stop tokens, max_tokens, the constraint advanced), after the
+    def _emit(self, row: Row, out, step: bool = False):
+        """Run ``out`` (the row's step, from its read on; ``step``: a step after its first
+        token, which the row's stats note as the loop's do), then hand its tokens out as the
+        loop would (loop._emit: stop tokens, max_tokens, the constraint advanced), after the
         closing ids written since its last step. A row whose step raises ends with that
         error. A thinking budget's stretch that ends within the reply is followed by the
         closing ids and the last stretch's first token (its prompt's few new tokens
@@ -310,7 +312,10 @@ class Batch:
         if row.run is None:
             return                      # its reply was written whole
         try:
-            row.room = self._out(row, _emit(row.run, out()))
+            tokens = out()
+            if step:
+                row.run.note_mode()
+            row.room = self._out(row, _emit(row.run, tokens))
             if row.done and row.plan is not None and row.stats.finish_reason is None:
                 undo_ahead(row.run.session)
                 going = self._close(row, row.run.stats)
@@ -421,6 +426,39 @@ def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list
     else:
         run.control.observe_token()
     return [token]
+
+
+def decode_one(session: Session, request: Request, stats: Stats | None = None,
+               progress=None) -> Iterator[int]:
+    """``request`` on ``session`` as a batch of one (loop.decode): checked and started at
+    once, prefilled at the first ``next()``, then its tokens one at a time, ``stats`` standing
+    as they did when each came; a row that fails raises its error after the tokens before
+    it, and a generator resumed after another call took its session raises StaleGenerator."""
+    batch = Batch()
+    return _one(batch, batch.join(session, request, Stats(), progress),
+                stats if stats is not None else Stats())
+
+
+def _one(batch: Batch, joining, shown: Stats) -> Iterator[int]:
+    row = to_the_end(joining)
+    try:
+        while True:
+            for i, (token, seen) in enumerate(zip(row.tokens, row.seen)):
+                vars(shown).update(vars(seen))
+                yield token
+                if not (row.done and i == len(row.tokens) - 1):
+                    row.run.call.still_current()    # the loop's check after each token
+            if row.error is not None:
+                raise row.error
+            if row.done:
+                return
+            batch.step()
+    finally:
+        if row in batch.rows:           # closed early (a stop string): out, as if never in
+            batch.rows.remove(row)
+            call = row.run.call
+            if call.session.generation == call.generation:
+                undo_ahead(call.session)
 
 
 def decode_batch(sessions: list[Session], requests: list[Request],

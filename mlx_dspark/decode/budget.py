@@ -1,4 +1,4 @@
-"""A thinking budget, around the loop: a request whose thinking may take at most
+"""A thinking budget: a request whose thinking may take at most
 ``thinking_token_budget`` tokens, decoded as stretches of the loop on one session.
 
 Three stretches: the reply decoded up to the budget; then, unless the model closed its block
@@ -11,20 +11,18 @@ turn extends the session. ``stats`` shows the stretches as one generation (the p
 request's; tokens, rounds and times add up). The constraint follows the whole reply, the
 closing ids included.
 
-A :class:`Plan` keeps a budgeted reply as its stretches go: the loop runs one through
-``think_within_budget``, a batch (batch.py) runs one per row between its steps, so a budgeted
-row decodes beside the others exactly as alone. The loop is reached through
-``stretch(request, stats, forced=0)``, which decodes one stretch on the call's session
-(``forced``: the closing ids ending its prompt, which it scores when logprobs are asked);
-``call`` (run.Call) is the call they belong to: its constraint, and ``still_current()``,
-which refuses a call whose session was taken over. The log-probabilities of the reply are the
-stretches' own, the closing ids' read off the next stretch's prefill: none is scored again."""
+A :class:`Plan` keeps a budgeted reply as its stretches go; a batch's row (batch.py, which
+``decode`` runs as a batch of one) starts each stretch as a run of the loop's steps on the
+call's session (``call``, run.Call: its constraint, and ``still_current()``, which refuses a
+call whose session was taken over), so a budgeted row decodes beside the others exactly as
+alone. The last stretch's prompt ends with the closing ids (``Run.forced``), which its prefill
+scores when logprobs are asked: the reply's log-probabilities are the stretches' own, none is
+scored again."""
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -148,31 +146,6 @@ class Plan:
         return read_scores([(prompt[-written:],
                              log_probs(rows[:-1], mx.array(prompt[-written:]),
                                        self.request.logprobs))])
-
-
-def think_within_budget(request: Request, stats: Stats, call: Call,
-                        stretch: Callable[..., Iterator[int]]) -> Iterator[int]:
-    """The tokens of ``request`` with its thinking capped at its budget."""
-    plan = Plan(request, stats, call)
-    first, part = plan.thinking(), None
-    if first is not None:
-        part = Stats()
-        for token in stretch(first, part):
-            done = plan.took(token, part)
-            yield token
-            if done:
-                return
-    closing = plan.closing(part)
-    for token in closing:
-        over = plan.closed(token)
-        yield token
-        if over:
-            return
-        plan.advance(token)
-    part = Stats()
-    for token in stretch(plan.rest(), part, forced=len(closing)):
-        plan.took(token, part)
-        yield token
 
 
 def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
