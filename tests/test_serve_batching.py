@@ -224,26 +224,26 @@ def test_a_row_decoding_beside_a_long_prefill_takes_the_budgets_steps_between_it
                                                       speculative="off"))
     _until(lambda: len(_events(heard, talking)) >= 2)
     seen = []                           # after each turn: (long prompt's done, row's tokens)
-    publish = rows.publish
+    publish, budget = rows.publish, rows.prefill_budget
 
     def published():
         publish()
         reading = [m for m in rows.members if m.job is not talking]
         if reading:
             seen.append((reading[0].prefill["done"], len(_events(heard, talking))))
-    rows.publish = published
+    rows.publish, rows.prefill_budget = published, 8
     try:
         reading = _submit(engine, heard, api.make_request(pair, _long_prompt(3), 8,
                                                           temperature=0))
         _until(lambda: _over(heard, reading))
     finally:
-        rows.publish = publish
+        rows.publish, rows.prefill_budget = publish, budget
     engine.cancel(talking)
     _until(lambda: _over(heard, talking))
     pieces_at = [i for i in range(1, len(seen)) if seen[i][0] > seen[i - 1][0]]
     assert len(pieces_at) == 4 and seen[pieces_at[-1]][0] == LONG
     for a, b in zip(pieces_at, pieces_at[1:]):      # the row's tokens, the piece's budget
-        assert seen[b][1] - seen[a][1] >= (seen[b][0] - seen[a][0]) // rows.prefill_budget - 1
+        assert seen[b][1] - seen[a][1] >= (seen[b][0] - seen[a][0]) // 8 - 1
     assert [c.token for c in _events(heard, reading) if not c.stop] == \
         api.generate(pair, api.make_request(pair, _long_prompt(3), 8, temperature=0)).tokens
 
@@ -372,3 +372,15 @@ def test_rows_continue_from_the_prompt_cache_and_equal_cold_runs(pair):
             reused = _events(heard, job, "started")[0]
             assert reused == len(old.prompt) + len(answer) - 1   # all but the last answer token
             assert _text(_events(heard, job)) == api.generate(pair, request).text
+
+
+def test_the_prefill_budget_is_a_number_of_tokens_above_zero(capsys):
+    from mlx_dspark import cli
+    from mlx_dspark.decode.pieces import PREFILL_BUDGET
+    parse = cli.build_parser().parse_args
+    assert parse(["serve"]).prefill_budget == PREFILL_BUDGET
+    assert parse(["serve", "--prefill-budget", "0.5"]).prefill_budget == 0.5
+    for bad in ("0", "-2", "nan", "inf", "many"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--prefill-budget", bad])
+        assert "--prefill-budget" in capsys.readouterr().err

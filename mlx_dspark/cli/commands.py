@@ -262,6 +262,18 @@ SERVE_HELP = ("an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/complet
               "/v1/completions, /v1/responses, /v1/messages)")
 
 
+def _tokens_per_step(s: str) -> float:
+    """An argparse type: a number of tokens per step, above 0 (a fraction: a token every few
+    steps)."""
+    n = float(s)
+    if not 0 < n < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {s}")
+    return n
+
+
+_tokens_per_step.__name__ = "number"
+
+
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -278,11 +290,12 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                         "budget's too); 1: one at a time "
                         f"(default {MAX_BATCH}: the highest aggregate throughput measured, "
                         "docs/serve.md)")
-    p.add_argument("--prefill-budget", type=_at_least(1), default=PREFILL_BUDGET, metavar="N",
+    p.add_argument("--prefill-budget", type=_tokens_per_step, default=PREFILL_BUDGET,
+                   metavar="N",
                    help="prompt tokens a joining request prefills per step, on average, "
                         "while others decode (whole pieces, as the budget accrues): lower "
                         "keeps the decoding rows' pace, higher the prefill's "
-                        f"(default {PREFILL_BUDGET}, docs/batching.md)")
+                        f"(default {PREFILL_BUDGET:g}, docs/batching.md)")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
                    help="requests that may wait while the batch is full; more get HTTP 503 "
                         "(default 16)")

@@ -59,9 +59,9 @@ class Rows:
     """The batch an :class:`~mlx_dspark.serve.engine.Engine` runs (``engine``: its pair, prompt
     cache, counters and the job handing of a request alone)."""
 
-    def __init__(self, engine, max_batch: int, prefill_budget: int = pieces.PREFILL_BUDGET):
+    def __init__(self, engine, max_batch: int, prefill_budget: float = pieces.PREFILL_BUDGET):
         self.engine, self.max_batch, self.prefill_budget = engine, max_batch, prefill_budget
-        self.credit = 0         # prompt tokens the joining rows may prefill now
+        self.credit = 0.0       # prompt tokens the joining rows may prefill now
         self.batch = Batch()
         self.members: list[Member] = []
         self.free: list[Session] = []
