@@ -184,6 +184,12 @@ class Batch:
             except StaleGenerator as e:
                 row.room, row.error, row.tokens = None, e, []
         rows = [r for r in self.rows if not r.done]
+        if len(rows) == 1 and not self.ahead:   # a batch of one: the loop's own step, by its
+            row = rows[0]                       # own controller, no grouping to do
+            row.run.pooled, row.run.batch = None, 1
+            self._alone(row, _plan(row, set())[0])
+            self.rows = [] if row.done else rows
+            return rows
         ahead, self.ahead = self.ahead, []
         plans, deciding = self._plans(rows, {id(part) for a in ahead for part in a.parts})
         plans = sorted((plans[id(row)], i) for i, row in enumerate(rows))
@@ -191,10 +197,8 @@ class Batch:
                   for key, group in groupby(plans, key=lambda plan: plan[0])]
         taken = _taken(ahead, groups)
         for i, ((n, taps, tag), group) in enumerate(groups):
-            if len(group) == 1:     # alone: the loop's own step (a serial one built ahead)
-                row, token = group[0], group[0].tokens[-1]
-                self._emit(row, (lambda: loop._round(row.run, token, n)) if n else
-                           (lambda: [_serial(row.run, token, row.room)]), step=True)
+            if len(group) == 1:
+                self._alone(group[0], n)
                 continue
             if i not in taken:
                 for row in group:
@@ -210,6 +214,13 @@ class Batch:
         self.rows = [r for r in self.rows if not r.done]
         self._keep_whole()
         return rows
+
+    def _alone(self, row: Row, n: int):
+        """``row`` steps alone: the loop's own step, a round of ``n`` drafts or a serial step
+        (built ahead within a serial stretch)."""
+        token = row.tokens[-1]
+        self._emit(row, (lambda: loop._round(row.run, token, n)) if n else
+                   (lambda: [_serial(row.run, token, row.room)]), step=True)
 
     def _keep_whole(self):
         """Undo each batched step built ahead that lost a row's part (the row ended or left):
@@ -345,6 +356,8 @@ class Batch:
 
 def _take_written(row: Row):
     """The closing ids written since the row's last step join its tokens."""
+    if not row.written:
+        return
     row.tokens += [t for t, _ in row.written]
     row.seen += [s for _, s in row.written]
     row.written = []
