@@ -15,7 +15,6 @@ queuing the commit."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -56,10 +55,23 @@ class Stats(Mapping):
     # (token, logprob, [(id, logprob), ...]) per emitted token when the request asks
     # (Request.logprobs), set with the last token; shared by the snapshots, not printed
     logprobs: list | None = field(default=None, repr=False)
+    # while such a generation runs, a weak reference to what reads its scores so far (a stop
+    # string may end the reply before the generation names its finish); not printed
+    scoring: object = field(default=None, repr=False, compare=False)
+
+    def scores(self) -> list | None:
+        """The logprobs: the generation's, or those read so far while it runs (None: none
+        are scored)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        read = self.scoring() if self.scoring is not None else None
+        return None if read is None else read()
 
     def snapshot(self) -> "Stats":
-        """A copy that later tokens do not change."""
-        snap = copy.copy(self)
+        """A copy that later tokens do not change (taken per token: a plain field copy, a
+        third of ``copy.copy``'s time)."""
+        snap = object.__new__(Stats)
+        snap.__dict__.update(self.__dict__)
         snap.tested_by_position = list(self.tested_by_position)
         snap.accepted_by_position = list(self.accepted_by_position)
         return snap

@@ -21,7 +21,6 @@ from mlx_dspark.decode.batch import Batch, decode_batch
 from mlx_dspark.decode.loop import decode
 from mlx_dspark.decode.run import StaleGenerator
 from mlx_dspark.decode.session import Session
-from mlx_dspark.request import Request, RequestError, Thinking
 from mlx_dspark.stats import Stats
 
 def _openblas() -> bool:
@@ -172,9 +171,32 @@ def test_a_batch_refuses_rows_it_cannot_decode_as_they_would_alone():
         batch.add(session, make_request(pair, PROMPTS[1], max_tokens=8))
     with pytest.raises(ValueError, match="one target"):
         batch.add(Session(other.target), make_request(other, PROMPTS[1], max_tokens=8))
-    with pytest.raises(RequestError, match="thinking"):
-        batch.add(Session(pair.target, pair.drafter),
-                  Request([5, 6, 7], thinking=Thinking((8,), (9,)), thinking_token_budget=4))
+
+
+THINK = [{"role": "user", "content": "Sort a list of numbers in Python."}]
+
+
+@pytest.mark.parametrize("speculative", ["off", "on", "auto"])
+def test_rows_with_thinking_budgets_decode_beside_plain_rows_as_alone(pair, speculative):
+    # budgets that close the block mid-batch (0: before the first token; 1, 3), one whose
+    # closing ids end the reply, one that never binds: tokens, stats and logprobs as alone
+    think = {"enable_thinking": True}
+    requests = [make_request(pair, THINK, 30, thinking_token_budget=b, chat_template_kwargs=think,
+                             speculative=speculative, logprobs=2, **kw)
+                for b, kw in [(3, {}), (0, {}), (1, {"temperature": 0.7, "seed": 5}), (300, {})]]
+    requests += [make_request(pair, PROMPTS[0], 24, speculative=speculative, logprobs=2),
+                 make_request(pair, THINK, 2, thinking_token_budget=1, chat_template_kwargs=think,
+                              logprobs=1)]
+    want = [Stats() for _ in requests]
+    for stats, r in zip(want, requests):
+        list(decode(Session(pair.target, pair.drafter), r, stats))
+    got = [Stats() for _ in requests]
+    assert together(pair, requests, got) == [
+        [t for t, _, _ in s.logprobs] for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    assert [(s.finish_reason, s.generated, s.generations, s.prompt_tokens) for s in got] == \
+        [(s.finish_reason, s.generated, s.generations, s.prompt_tokens) for s in want]
+    assert want[0].logprobs[3][0] == requests[0].thinking.end[0]   # closed at its budget
 
 
 def _held(snapshot_of) -> int:

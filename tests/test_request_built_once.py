@@ -1,6 +1,6 @@
 """One carrier of options (issue 29, item 2): an HTTP request's options are read once, at the
-route, into one ``Request`` (the server's defaults merged in there), and the loop decodes that
-very Request: nothing after the route rebuilds it (a completion's thinking, a padded
+route, into one ``Request`` (the server's defaults merged in there), and the batch (the one
+driver: decode/batch.py) decodes that very Request: nothing after the route rebuilds it (a completion's thinking, a padded
 vocabulary's limit) or reads an option again. In process: the app on the demo pair."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_dspark import api
-from mlx_dspark.decode import loop
+from mlx_dspark.decode.batch import Batch
 from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app
 from testkit.server_helpers import app_client, started_engine
@@ -30,9 +30,9 @@ def engine():
 @pytest.fixture
 def seen(engine, monkeypatch):
     """What one test's requests did: every Request made (``made``), the Request of every
-    job the engine was handed (``queued``) and of every decode call (``decoded``)."""
+    job the engine was handed (``queued``) and of every row the batch started (``decoded``)."""
     record = {"made": [], "queued": [], "decoded": []}
-    post_init, submit, decode = Request.__post_init__, engine.submit, loop.decode
+    post_init, submit, start = Request.__post_init__, engine.submit, Batch._start
 
     def made(self):
         post_init(self)
@@ -42,13 +42,13 @@ def seen(engine, monkeypatch):
         record["queued"].append(job.request)
         submit(job)
 
-    def decoded(session, request, stats=None, progress=None):
+    def decoded(self, session, request, *a, **k):
         record["decoded"].append(request)
-        return decode(session, request, stats, progress)
+        return start(self, session, request, *a, **k)
 
     monkeypatch.setattr(Request, "__post_init__", made)
     monkeypatch.setattr(engine, "submit", queued)
-    monkeypatch.setattr(loop, "decode", decoded)
+    monkeypatch.setattr(Batch, "_start", decoded)
     return record
 
 

@@ -1,12 +1,13 @@
 """``serve --max-batch``: requests decoded together by the engine (serve/batching.py), each row's
 answer the answer its request gets alone, a joining prompt prefilled in pieces beside the rows
 decoding, a client that leaves taking only its own row, /health showing each row's phase, and
-a thinking budget still served (alone, when it is next). Demo pair, greedy, stock BLAS."""
+thinking budgets (OpenAI's, Anthropic's) decoded in the batch beside plain rows. Demo pair, greedy, stock BLAS."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -214,6 +215,39 @@ def test_a_failing_batched_step_ends_its_rows_with_an_error_and_the_engine_serve
     assert tokens == api.generate(pair, requests[0]).tokens
 
 
+def test_a_row_decoding_beside_a_long_prefill_takes_the_budgets_steps_between_its_pieces(
+        engine, pair):
+    # counted in tokens, not seconds: the streaming row (serial, a token a turn) takes
+    # piece / --prefill-budget turns between two of the long prompt's pieces (today: one)
+    heard, rows = [], engine.rows
+    talking = _submit(engine, heard, api.make_request(pair, PROMPTS[3], 1000, temperature=0,
+                                                      speculative="off"))
+    _until(lambda: len(_events(heard, talking)) >= 2)
+    seen = []                           # after each turn: (long prompt's done, row's tokens)
+    publish, budget = rows.publish, rows.prefill_budget
+
+    def published():
+        publish()
+        reading = [m for m in rows.members if m.job is not talking]
+        if reading:
+            seen.append((reading[0].prefill["done"], len(_events(heard, talking))))
+    rows.publish, rows.prefill_budget = published, 8
+    try:
+        reading = _submit(engine, heard, api.make_request(pair, _long_prompt(3), 8,
+                                                          temperature=0))
+        _until(lambda: _over(heard, reading))
+    finally:
+        rows.publish, rows.prefill_budget = publish, budget
+    engine.cancel(talking)
+    _until(lambda: _over(heard, talking))
+    pieces_at = [i for i in range(1, len(seen)) if seen[i][0] > seen[i - 1][0]]
+    assert len(pieces_at) == 4 and seen[pieces_at[-1]][0] == LONG
+    for a, b in zip(pieces_at, pieces_at[1:]):      # the row's tokens, the piece's budget
+        assert seen[b][1] - seen[a][1] >= (seen[b][0] - seen[a][0]) // 8 - 1
+    assert [c.token for c in _events(heard, reading) if not c.stop] == \
+        api.generate(pair, api.make_request(pair, _long_prompt(3), 8, temperature=0)).tokens
+
+
 def test_health_shows_the_batch_and_each_rows_phase(engine, pair):
     client = app_client(engine, "demo")
     heard = []
@@ -238,22 +272,75 @@ def test_health_shows_the_batch_and_each_rows_phase(engine, pair):
     _until(lambda: client.get("/health").json()["batch"]["size"] == 0)
 
 
-def test_a_thinking_budget_during_a_batch_runs_alone_and_answers_as_alone(engine, pair):
-    heard = []
-    budget = api.make_request(pair, "<think>\n", 16, temperature=0, thinking_token_budget=4,
-                              split_thinking=True)
-    first = _submit(engine, heard, api.make_request(pair, PROMPTS[0], 30, temperature=0))
-    _until(lambda: _events(heard, first))
-    thinking = _submit(engine, heard, budget)
-    after = _submit(engine, heard, api.make_request(pair, PROMPTS[1], 8, temperature=0))
-    _until(lambda: all(_over(heard, j) for j in (first, thinking, after)))
-    want = api.generate(pair, budget)
-    chunks = _events(heard, thinking)
-    assert _text(chunks) == want.text and "".join(c.reasoning for c in chunks) == want.reasoning
-    assert [c.token for c in chunks if not c.stop] == want.tokens
-    # alone: after the batch emptied, and before the request behind it (first come, first served)
-    assert _index(heard, first, _final) < _index(heard, thinking, lambda w, i: w == "chunk")
-    assert _index(heard, thinking, _final) < _index(heard, after, lambda w, i: w == "chunk")
+THINK = [{"role": "user", "content": "Sort a list of numbers in Python."}]
+AGENTS = [   # (route, body): a plain row, OpenAI's thinking budget, Anthropic's thinking
+    ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": THINK, "max_tokens": 24, "temperature": 0,
+                              "thinking_token_budget": 3, "logprobs": True, "top_logprobs": 2,
+                              "chat_template_kwargs": {"enable_thinking": True}}),
+    ("/v1/messages", {"messages": THINK, "max_tokens": 24, "temperature": 0,
+                      "thinking": {"type": "adaptive"}, "output_config": {"effort": "minimal"}}),
+    ("/v1/messages", {"messages": THINK, "max_tokens": 20, "temperature": 0, "stream": True,
+                      "thinking": {"type": "enabled", "budget_tokens": 2}}),
+]
+
+
+def _answer(reply) -> object:
+    """A reply without what differs between two sends (ids, times, the engine's stats)."""
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in reply.text.splitlines()
+                  if line.startswith("data: {")]
+        return [e.get("delta") or e.get("content_block") or e.get("usage") for e in events]
+    body = reply.json()
+    return {k: v for k, v in body.items() if k not in ("id", "created", "dspark")}
+
+
+def test_thinking_budgets_openai_and_anthropic_decode_in_the_batch_beside_plain_rows_as_alone(
+        engine, pair):
+    app = create_app(engine, "demo")
+
+    async def send(requests):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost",
+                                     timeout=120) as http:
+            return await asyncio.gather(*(http.post(route, json=body)
+                                          for route, body in requests))
+    decoding = []                       # after each turn: the budgets of the rows decoding
+    rows, go = engine.rows, threading.Event()
+    publish, advance, budget = rows.publish, rows.advance, rows.prefill_budget
+
+    def published():
+        publish()
+        decoding.append(sorted(-1 if m.job.request.thinking_token_budget is None
+                               else m.job.request.thinking_token_budget
+                               for m in rows.members if m.row is not None))
+
+    def gated():            # the first turn waits for every request: they join together
+        go.wait()
+        advance()
+
+    def all_in():
+        _until(lambda: len(rows.members) + engine.waiting == len(AGENTS))
+        go.set()
+    rows.publish, rows.advance, rows.prefill_budget = published, gated, 4 * 512
+    watcher = threading.Thread(target=all_in)
+    watcher.start()
+    try:
+        together = asyncio.run(send(AGENTS))
+    finally:
+        go.set()
+        watcher.join()
+        rows.publish, rows.advance, rows.prefill_budget = publish, advance, budget
+    assert all(r.status_code == 200 for r in together)
+    # the budgeted rows (OpenAI's 3, Anthropic's adaptive at "minimal", and its 2) stepped in
+    # one batch beside the plain one
+    assert [-1, 2, 3, 256] in decoding
+    for (route, body), reply in zip(AGENTS, together):
+        alone = asyncio.run(send([(route, body)]))[0]
+        assert _answer(reply) == _answer(alone)
+    chat = together[1].json()["choices"][0]
+    assert chat["message"]["reasoning_content"] and chat["message"]["content"]
+    assert len(chat["logprobs"]["content"]) == together[1].json()["usage"]["completion_tokens"]
 
 
 def test_a_full_batch_and_queue_answer_busy(pair):
@@ -285,3 +372,15 @@ def test_rows_continue_from_the_prompt_cache_and_equal_cold_runs(pair):
             reused = _events(heard, job, "started")[0]
             assert reused == len(old.prompt) + len(answer) - 1   # all but the last answer token
             assert _text(_events(heard, job)) == api.generate(pair, request).text
+
+
+def test_the_prefill_budget_is_a_number_of_tokens_above_zero(capsys):
+    from mlx_dspark import cli
+    from mlx_dspark.decode.pieces import PREFILL_BUDGET
+    parse = cli.build_parser().parse_args
+    assert parse(["serve"]).prefill_budget == PREFILL_BUDGET
+    assert parse(["serve", "--prefill-budget", "0.5"]).prefill_budget == 0.5
+    for bad in ("0", "-2", "nan", "inf", "many"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--prefill-budget", bad])
+        assert "--prefill-budget" in capsys.readouterr().err

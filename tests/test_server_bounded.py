@@ -52,23 +52,20 @@ def _until(condition, seconds=10.0) -> bool:
 def held(engine, monkeypatch):
     """The engine runs one job that waits until the test ends (or ``release()``), so that
     the requests a test sends wait in the queue."""
-    gate, run = threading.Event(), engine._run
-    first = []
+    gate, advance = threading.Event(), engine.rows.advance
 
-    def held_run(job):
-        if not first:
-            first.append(job)
-            gate.wait(60)
-        run(job)
+    def held_advance():         # the batch's turns wait for the gate
+        gate.wait(60)
+        advance()
 
-    monkeypatch.setattr(engine, "_run", held_run)
+    monkeypatch.setattr(engine.rows, "advance", held_advance)
     blocker = Job(api.make_request(engine.pair, [1, 2, 3], max_tokens=2),
                   asyncio.new_event_loop())
     engine.submit(blocker)
-    assert _until(lambda: first and engine.waiting == 0)
+    assert _until(lambda: engine.rows.members and engine.waiting == 0)
     yield gate.set
     gate.set()
-    assert _until(lambda: engine._current is None and engine.waiting == 0)
+    assert _until(lambda: not engine.rows.members and engine.waiting == 0)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..decode.pieces import PREFILL_BUDGET
 from ..stats import format_stats
 
 from ..request import AUTO_DRAFT, MODES, RequestError, check_sampling
@@ -305,6 +306,18 @@ SERVE_HELP = ("an OpenAI- and Anthropic-compatible HTTP server (/v1/chat/complet
               "/v1/completions, /v1/responses, /v1/messages)")
 
 
+def _tokens_per_step(s: str) -> float:
+    """An argparse type: a number of tokens per step, above 0 (a fraction: a token every few
+    steps)."""
+    n = float(s)
+    if not 0 < n < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {s}")
+    return n
+
+
+_tokens_per_step.__name__ = "number"
+
+
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -317,10 +330,16 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
                         "its model name there finds it; any name a request gives is answered "
                         "anyway); repeatable")
     p.add_argument("--max-batch", type=_at_least(1), default=MAX_BATCH, metavar="N",
-                   help="requests decoded together, each exactly as alone; a request with a "
-                        "thinking budget runs alone when it is next; 1: one at a time "
+                   help="requests decoded together, each exactly as alone (a thinking "
+                        "budget's too); 1: one at a time "
                         f"(default {MAX_BATCH}: the highest aggregate throughput measured, "
                         "docs/serve.md)")
+    p.add_argument("--prefill-budget", type=_tokens_per_step, default=PREFILL_BUDGET,
+                   metavar="N",
+                   help="prompt tokens a joining request prefills per step, on average, "
+                        "while others decode (whole pieces, as the budget accrues): lower "
+                        "keeps the decoding rows' pace, higher the prefill's "
+                        f"(default {PREFILL_BUDGET:g}, docs/batching.md)")
     p.add_argument("--max-queue", type=_at_least(0), default=16, metavar="N",
                    help="requests that may wait while the batch is full; more get HTTP 503 "
                         "(default 16)")
@@ -484,7 +503,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_connections=args.max_connections)
     engine = Engine(lambda: load_pair(args), args.max_queue, args.prefix_cache_mb << 20,
                     use_drafter=args.speculative != "off", store=disk_store_factory(args),
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, prefill_budget=args.prefill_budget)
     code = 0
     try:
         engine.start()      # loads the pair on the engine's thread; CommandError comes here

@@ -16,35 +16,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import Iterator
 
 import mlx.core as mx
 
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
-from . import budget
+from . import budget, loop
 from ..logits import constraint as constraints
+from ..logits.processors import Processors
 from ..policy.batch_control import BatchControl, SizeControl, cohort
 from .loop import Ahead as RowAhead
 from .loop import (_emit, _first, _serial, _speculate, builds_ahead, first_steps, pick,
                    round_steps, undo_ahead)
-from ..logits.processors import Processors
+from .prefill import to_the_end
 from .run import Call, Run, StaleGenerator, check, finite
 from .session import Session
 
 
 @dataclass(eq=False)
 class Row:
-    """One sequence of a batch: its stretch of decoding (loop.Run), the tokens its last step
-    emitted, the room left after them (None once it has ended) and why it ended early
-    (``error``: the exception the row alone would have raised)."""
+    """One sequence of a batch: its stretch of decoding (loop.Run; None for a reply written
+    whole before it decoded: a budget of 0 with no room after the closing ids), the tokens its
+    last step emitted, the room left after them (None once it has ended) and why it ended
+    early (``error``: the exception the row alone would have raised). A request with a
+    thinking budget keeps its ``plan`` (budget.Plan): its stretches follow one another within
+    the row, the closing ids ``written`` between two steps, emitted with the next one."""
 
-    run: Run
+    run: Run | None
     tokens: list[int] = field(default_factory=list)
     # the stats as they stood as each of ``tokens`` was handed out (a consumer that streams
     # the row sees what it would see alone: the count so far, the finish reason on the last)
     seen: list[Stats] = field(default_factory=list)
     room: int | None = None
     error: Exception | None = None
+    plan: budget.Plan | None = None
+    written: list[tuple[int, Stats]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -52,7 +59,7 @@ class Row:
 
     @property
     def stats(self) -> Stats:
-        return self.run.stats
+        return self.plan.stats if self.plan is not None else self.run.stats
 
 
 @dataclass(eq=False)
@@ -114,7 +121,7 @@ class Batch:
 
     def _joined(self, row: Row):
         try:
-            token = yield from first_steps(row.run)
+            token = None if row.run is None else (yield from first_steps(row.run))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:
             row.room, row.error = None, e
             return row
@@ -123,21 +130,10 @@ class Batch:
             self.rows.append(row)
         return row
 
-    @staticmethod
-    def refusal(request: Request) -> RequestError | None:
-        """Why a batch does not take ``request`` (decode it alone), or None."""
-        if budget.applies(request):
-            return RequestError("thinking_token_budget", "a thinking budget is not decoded "
-                                                         "in a batch yet; decode it alone")
-        return None
-
     def _start(self, session: Session, request: Request, stats: Stats | None,
                progress=None) -> Row:
         """The row of ``request`` on ``session``, checked and started, not yet prefilled."""
         check(session, request)
-        refused = self.refusal(request)
-        if refused is not None:
-            raise refused
         if self.rows and session.target is not self.rows[0].run.session.target:
             raise ValueError("every row of a batch decodes on one target")
         if any(r.run.session is session for r in self.rows):
@@ -147,7 +143,31 @@ class Batch:
         undo_ahead(session)            # a suspended generator's step built ahead
         session.generation += 1
         call.generation = session.generation
-        return Row(Run.start(call, request, stats if stats is not None else Stats()))
+        stats = stats if stats is not None else Stats()
+        if not budget.applies(request):
+            return Row(Run.start(call, request, stats))
+        plan = budget.Plan(request, stats, call)
+        thinking = plan.thinking()
+        if thinking is not None:
+            return Row(Run.start(call, thinking, Stats()), plan=plan)
+        row = Row(None, plan=plan)
+        self._close(row, None)
+        return row
+
+    def _close(self, row: Row, part: Stats | None) -> bool:
+        """The thinking stretch of ``row`` (``part``: its stats; None: a budget of 0) ended
+        within the reply: the closing ids written (``row.written``), then the last stretch
+        started, its prompt not yet prefilled; False when the ids ended the reply."""
+        plan = row.plan
+        closing = plan.closing(part)
+        for token in closing:
+            over = plan.closed(token)
+            row.written.append((token, plan.stats.snapshot()))
+            if over:
+                return False
+            plan.advance(token)
+        row.run = Run.start(plan.call, plan.rest(), Stats(), forced=len(closing))
+        return True
 
     def remove(self, row: Row):
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
@@ -165,6 +185,12 @@ class Batch:
             except StaleGenerator as e:
                 row.room, row.error, row.tokens = None, e, []
         rows = [r for r in self.rows if not r.done]
+        if len(rows) == 1 and not self.ahead:   # a batch of one: the loop's own step, by its
+            row = rows[0]                       # own controller, no grouping to do
+            row.run.pooled, row.run.batch = None, 1
+            self._alone(row, _plan(row, set())[0])
+            self.rows = [] if row.done else rows
+            return rows
         ahead, self.ahead = self.ahead, []
         plans, deciding = self._plans(rows, {id(part) for a in ahead for part in a.parts})
         plans = sorted((plans[id(row)], i) for i, row in enumerate(rows))
@@ -172,9 +198,8 @@ class Batch:
                   for key, group in groupby(plans, key=lambda plan: plan[0])]
         taken = _taken(ahead, groups)
         for i, ((n, taps, tag), group) in enumerate(groups):
-            if len(group) == 1 and not n:       # alone: the loop's serial step, built ahead
-                row, token = group[0], group[0].tokens[-1]
-                self._emit(row, lambda: [_serial(row.run, token, row.room)])
+            if len(group) == 1:
+                self._alone(group[0], n)
                 continue
             if i not in taken:
                 for row in group:
@@ -187,11 +212,16 @@ class Batch:
                 self._rounds(group, n, taps, control)
             else:
                 self._serial(group, taps, control, taken.get(i))
-        for row in rows:
-            row.run.note_mode()
         self.rows = [r for r in self.rows if not r.done]
         self._keep_whole()
         return rows
+
+    def _alone(self, row: Row, n: int):
+        """``row`` steps alone: the loop's own step, a round of ``n`` drafts or a serial step
+        (built ahead within a serial stretch)."""
+        token = row.tokens[-1]
+        self._emit(row, (lambda: loop._round(row.run, token, n)) if n else
+                   (lambda: [_serial(row.run, token, row.room)]), step=True)
 
     def _keep_whole(self):
         """Undo each batched step built ahead that lost a row's part (the row ended or left):
@@ -256,7 +286,7 @@ class Batch:
             built.since = t_read
             self.ahead.append(built)
         for row, token, part in zip(rows, read, parts):
-            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds))
+            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds), step=True)
         if control is not None:
             control.observe_serial(seconds)
 
@@ -276,28 +306,62 @@ class Batch:
                                           verify=True)
         verdicts = [s.send((logits[i], tapped[i])) for i, s in enumerate(steps)]
         for row, s, read in zip(rows, steps, mx.stack(verdicts).tolist()):
-            self._emit(row, lambda: s.send(read))
+            self._emit(row, lambda: s.send(read), step=True)
         if control is not None:
             control.rows = [row.run.control.alpha() for row in rows]   # after the verdicts
             control.observe_round(time.perf_counter() - t0, n, 0, 0)
 
-    def _emit(self, row: Row, out):
-        """Run ``out`` (the row's step, from its read on), then hand its tokens out as the loop
-        would (loop._emit: stop tokens, max_tokens, the constraint advanced). A row whose step
-        raises ends with that error."""
+    def _emit(self, row: Row, out, step: bool = False):
+        """Run ``out`` (the row's step, from its read on; ``step``: a step after its first
+        token, which the row's stats note as the loop's do), then hand its tokens out as the
+        loop would (loop._emit: stop tokens, max_tokens, the constraint advanced), after the
+        closing ids written since its last step. A row whose step raises ends with that
+        error. A thinking budget's stretch that ends within the reply is followed by the
+        closing ids and the last stretch's first token (its prompt's few new tokens
+        prefilled), as alone."""
         row.tokens, row.seen = [], []
+        _take_written(row)
+        if row.run is None:
+            return                      # its reply was written whole
         try:
-            emit = _emit(row.run, out())
-            while True:
-                row.tokens.append(next(emit))
-                row.seen.append(row.stats.snapshot())
-        except StopIteration as end:
-            row.room = end.value
+            tokens = out()
+            if step:
+                row.run.note_mode()
+            row.room = self._out(row, _emit(row.run, tokens))
+            if row.done and row.plan is not None and row.stats.finish_reason is None:
+                undo_ahead(row.run.session)
+                going = self._close(row, row.run.stats)
+                _take_written(row)
+                if going:
+                    row.run.call.progress = None    # the prefill's callback was the join's
+                    row.room = self._out(row, _emit(row.run, [_first(row.run)]))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:   # RequestError: a
             row.room, row.error = None, e                # grammar past llguidance's limits
         run = row.run
         if row.done and run.session.generation == run.call.generation:
             undo_ahead(run.session)     # it ended (a stop token is emitted, never fed)
+
+    def _out(self, row: Row, emit) -> int | None:
+        """The tokens of ``emit`` (loop._emit over one step) added to the row's, each with
+        the stats as they stood; the room after them."""
+        try:
+            while True:
+                token = next(emit)
+                if row.plan is not None:
+                    row.plan.took(token, row.run.stats)
+                row.tokens.append(token)
+                row.seen.append(row.stats.snapshot())
+        except StopIteration as end:
+            return end.value
+
+
+def _take_written(row: Row):
+    """The closing ids written since the row's last step join its tokens."""
+    if not row.written:
+        return
+    row.tokens += [t for t, _ in row.written]
+    row.seen += [s for _, s in row.written]
+    row.written = []
 
 
 def _taken(ahead: list[Ahead], groups: list) -> dict[int, Ahead]:
@@ -376,6 +440,39 @@ def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list
     else:
         run.control.observe_token()
     return [token]
+
+
+def decode_one(session: Session, request: Request, stats: Stats | None = None,
+               progress=None) -> Iterator[int]:
+    """``request`` on ``session`` as a batch of one (loop.decode): checked and started at
+    once, prefilled at the first ``next()``, then its tokens one at a time, ``stats`` standing
+    as they did when each came; a row that fails raises its error after the tokens before
+    it, and a generator resumed after another call took its session raises StaleGenerator."""
+    batch = Batch()
+    return _one(batch, batch.join(session, request, Stats(), progress),
+                stats if stats is not None else Stats())
+
+
+def _one(batch: Batch, joining, shown: Stats) -> Iterator[int]:
+    row = to_the_end(joining)
+    try:
+        while True:
+            for i, (token, seen) in enumerate(zip(row.tokens, row.seen)):
+                vars(shown).update(vars(seen))
+                yield token
+                if not (row.done and i == len(row.tokens) - 1):
+                    row.run.call.still_current()    # the loop's check after each token
+            if row.error is not None:
+                raise row.error
+            if row.done:
+                return
+            batch.step()
+    finally:
+        if row in batch.rows:           # closed early (a stop string): out, as if never in
+            batch.rows.remove(row)
+            call = row.run.call
+            if call.session.generation == call.generation:
+                undo_ahead(call.session)
 
 
 def decode_batch(sessions: list[Session], requests: list[Request],

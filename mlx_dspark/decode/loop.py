@@ -18,12 +18,12 @@ constraint rolls back the drafts the target rejected.
 ``decode(session, request)`` yields tokens one at a time; the session holds every cache, the
 request every option. Stop tokens and ``max_tokens`` are applied here so that the target and
 drafter state after a stop is the same as after serial decoding (the stop token is emitted,
-never fed). A thinking budget is a wrapper around the loop (budget.py); the device's
-housekeeping another (device.housekept)."""
+never fed). ``decode`` runs these steps as a batch of one (batch.py, the one driver: a thinking
+budget's stretches follow one another within a row, budget.py); the device's housekeeping
+wraps it (device.housekept)."""
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -33,13 +33,11 @@ import mlx.core as mx
 from .. import device
 from ..request import Request
 from ..stats import Stats
-from . import budget
-from ..logits import constraint as constraints, sampling
+from ..logits import sampling
 from ..logits.draw import Draw
-from .prefill import prefill, prefill_steps, to_the_end  # noqa: F401 (prefill: public)
-from ..logits.processors import Processors
-from .run import Call, Run, StaleGenerator, check, finite  # noqa: F401 (StaleGenerator: public)
 from ..logits.sampling import constrain
+from .prefill import prefill, prefill_steps, reuse, to_the_end  # noqa: F401 (prefill: public)
+from .run import Run, StaleGenerator, finite  # noqa: F401 (StaleGenerator: public)
 from .session import Session
 
 
@@ -154,34 +152,12 @@ def decode(session: Session, request: Request, stats: Stats | None = None,
     yielded and ends the run. ``stats`` (optional) is filled in as the run goes; its
     ``finish_reason`` is set just before the last token is yielded. ``progress``: the
     prefill's callback (:func:`prefill`). A request the session cannot serve is refused
-    here, before any token is asked for."""
-    check(session, request)
-    stats = stats if stats is not None else Stats()
-    call = Call(session, constraints.of(request, session.target.config.vocab_size),
-                Processors.of(request), progress=progress)
-    undo_ahead(session)             # a generator left suspended with a step built ahead
-    session.generation += 1
-    call.generation = session.generation
-    stretch = functools.partial(_decode, call)
-    tokens = budget.think_within_budget(request, stats, call, stretch) \
-        if budget.applies(request) else stretch(request, stats)
-    return device.housekept(tokens, (session.target, session.drafter))
-
-
-def _decode(call: Call, request: Request, stats: Stats) -> Iterator[int]:
-    """One stretch: the prompt prefilled, then a round or a serial step until the run ends."""
-    run = Run.start(call, request, stats)
-    out = [_first(run)]
-    try:
-        while (room := (yield from _emit(run, out))) is not None:
-            if call.session.ahead is None and _speculate(run, room):
-                out = _round(run, out[-1], min(run.control.length(), room - 1))
-            else:
-                out = [_serial(run, out[-1], room)]
-            run.note_mode()
-    finally:
-        if call.session.generation == call.generation:
-            undo_ahead(call.session)    # closed early (a stop string): undo the step ahead
+    here, before any token is asked for. It is decoded as a batch of one (batch.py, the one
+    driver, whose steps are this module's: a row alone takes :func:`_serial` and
+    :func:`_round` as they are)."""
+    from .batch import decode_one       # batch.py is built on this module's steps
+    return device.housekept(decode_one(session, request, stats, progress),
+                            (session.target, session.drafter))
 
 
 def _first(run: Run) -> int:
@@ -194,13 +170,17 @@ def first_steps(run: Run):
     the last (prefill.prefill_steps), and returns the first token."""
     session, stats, prompt = run.session, run.stats, list(run.request.prompt)
     t0 = time.perf_counter()
-    stats.reused_tokens = session.reuse(prompt)
+    forced = run.forced if run.scores is not None else 0
+    stats.reused_tokens = reuse(session, prompt, forced)
     stats.generated = 0
-    last = (yield from prefill_steps(session, prompt, tap=run.tap,
-                                     progress=run.call.progress))[None]
+    rows = yield from prefill_steps(session, prompt, tap=run.tap, progress=run.call.progress,
+                                    scored=forced)
+    last = rows[-1:] if forced else rows[None]
     token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
+    if forced:
+        run.score(rows[:-1], prompt[-forced:])
     run.score(last, [token])
     return token
 

@@ -15,13 +15,18 @@ The sizes are a measured choice (benchmarks/bench_prefill_pieces.py, docs/serve.
 second a piece on the 2-core CPU. A token's cost grows with the context before it (attention),
 so the pieces shrink as the prompt grows: ``PIECE`` (512) tokens, half that from 4096 tokens
 of context, a quarter from 8192 (each size divides the one before, so the cuts stay on its
-multiples). Feeding a prompt in pieces costs within the noise of one step."""
+multiples). Feeding a prompt in pieces costs within the noise of one step. Beside rows that
+decode, a batch runs the same pieces, whole, as its per-step budget of prompt tokens accrues
+(``PREFILL_BUDGET``, serve/batching.py)."""
 
 from __future__ import annotations
 
 PIECE = 512
 CHUNK = 128         # the Mamba scan's chunk of a target that does not name its own
 SIZES = ((0, PIECE), (4096, PIECE // 2), (8192, PIECE // 4))   # (from this context on, size)
+# a batch's prefill beside rows decoding: the prompt tokens per step, on average (the server's
+# --prefill-budget; docs/batching.md "Prefill beside decoding", benchmarks/bench_prefill_stall.py)
+PREFILL_BUDGET = 2.5
 
 
 def size_at(position: int, sizes=SIZES) -> int:

@@ -5,6 +5,7 @@ and the controller it runs under."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -97,6 +98,16 @@ def controller(session: Session, request: Request) -> Controller:
     return control
 
 
+def read_scores(scores: list) -> list[tuple]:
+    """``(token, logprob, [(id, logprob), ...])`` for each token of ``scores`` (pairs of the
+    tokens and their lazy sampling.log_probs)."""
+    out = []
+    for tokens, (chosen, order, alts) in scores:
+        for t, lp, o, a in zip(tokens, chosen.tolist(), order.tolist(), alts.tolist()):
+            out.append((t, lp, list(zip(o, a))))
+    return out
+
+
 class StaleGenerator(RuntimeError):
     """A generator resumed after another call changed its session."""
 
@@ -140,6 +151,9 @@ class Run:
     pooled: Controller | None = None
     batch: int = 1                # the live batch size that decided the row's latest step
     pooled_switches: int = 0      # mode switches the batch's decisions made for this row
+    # the prompt's last tokens that belong to the reply, written, not chosen (a thinking
+    # budget's closing ids): scored from the prefill's rows, with the reply's
+    forced: int = 0
 
     @property
     def session(self) -> Session:
@@ -166,7 +180,7 @@ class Run:
         return self.processors.checked(self.before(), logits, ahead)
 
     @classmethod
-    def start(cls, call: Call, request: Request, stats: Stats) -> "Run":
+    def start(cls, call: Call, request: Request, stats: Stats, forced: int = 0) -> "Run":
         sampler = Sampler.of(request)
         stats.requested = request.speculative
         control = controller(call.session, request)
@@ -179,9 +193,12 @@ class Run:
             stats.sampling = "sampler"          # the user's: it draws with its own state
         elif not sampler.greedy:
             stats.sampling, stats.seed = sampler.scheme, noise.seed
-        return cls(call, request, stats, sampler, noise, control, control.switches, tap,
-                   tap and request.speculative != "off",
-                   [] if request.logprobs is not None else None)
+        run = cls(call, request, stats, sampler, noise, control, control.switches, tap,
+                  tap and request.speculative != "off",
+                  [] if request.logprobs is not None else None, forced=forced)
+        if run.scores is not None:
+            stats.scoring = weakref.WeakMethod(run.scored)
+        return run
 
     def score(self, rows: mx.array, tokens):
         """Score the tokens emitted from the target's ``rows`` (the rows they were chosen
@@ -193,11 +210,7 @@ class Run:
 
     def scored(self) -> list[tuple]:
         """``(token, logprob, [(id, logprob), ...])`` for every token scored so far."""
-        out = []
-        for tokens, (chosen, order, alts) in self.scores:
-            for t, lp, o, a in zip(tokens, chosen.tolist(), order.tolist(), alts.tolist()):
-                out.append((t, lp, list(zip(o, a))))
-        return out
+        return read_scores(self.scores)
 
     def count_round(self, n: int, a: int, times):
         """Stats and controller bookkeeping of one round of ``n`` drafts, ``a`` accepted

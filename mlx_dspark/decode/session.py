@@ -42,8 +42,9 @@ class Target(Protocol):
 
     def make_cache(self) -> Cache: ...
 
-    def step(self, tokens: mx.array, cache: Cache, tap_layers=None, last_only=False):
-        """Feed ``tokens [1, T]``; returns ``(logits [1, T, V], taps [T, n*hidden] or None)``."""
+    def step(self, tokens: mx.array, cache: Cache, tap_layers=None, last_only=False, also=0):
+        """Feed ``tokens [1, T]``; returns ``(logits [1, T, V], taps [T, n*hidden] or None)``
+        (``last_only``: the last row, after the ``also`` before it)."""
 
     def verify(self, tokens: mx.array, cache: Cache, tap_layers=None):
         """A step that ``commit`` can cut back to any prefix."""

@@ -371,7 +371,7 @@ class NemotronH(nn.Module):
         return self.head(h)
 
     # --- forward passes
-    def _forward(self, tokens, cache, tap_layers, record, last_only=False):
+    def _forward(self, tokens, cache, tap_layers, record, last_only=False, also=0):
         if tokens.ndim == 1:
             tokens = tokens[None]
         bad = [i for i in tap_layers or () if not 0 <= i < len(self.layers)]
@@ -385,15 +385,18 @@ class NemotronH(nn.Module):
             x = layer(x, None if cache is None else cache[i], record)
             if i in want:
                 taps[i] = x
-        if last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
+        logits = self._head(x[:, -1:] if last_only else x)
+        if last_only and also:      # rows scored, not chosen from: apart, so that the last
+            logits = mx.concatenate([self._head(x[:, -1 - also:-1]), logits], axis=1)  # stays
         if cache is not None:
             cache.advance(tokens.shape[1])
         if not tap_layers:
             return logits, None
         t = mx.concatenate([taps[i] for i in tap_layers], axis=-1)
         return logits, (t[0] if t.shape[0] == 1 else t)
+
+    def _head(self, x):
+        return self.lm_head(rms_norm(x, self.norm_f, self.config.layer_norm_epsilon))
 
     def __call__(self, tokens):
         """Full forward without cache: ``tokens [1, T] -> logits [1, T, V]``."""
@@ -408,16 +411,20 @@ class NemotronH(nn.Module):
     def make_cache(self) -> TargetCache:
         return TargetCache(self.config.hybrid_override_pattern)
 
-    def step(self, tokens, cache: TargetCache, tap_layers=None, last_only=False):
+    def step(self, tokens, cache: TargetCache, tap_layers=None, last_only=False, also=0):
         """Advance ``cache`` by ``tokens [1, T]``; returns ``(logits [1,T,V], taps)``, or
         logits ``[1,1,V]`` for the last position alone with ``last_only`` (a prompt: the
-        head then runs on one row, so memory does not grow with the prompt's length)."""
+        head then runs on one row, so memory does not grow with the prompt's length), after
+        the ``also`` positions before it (``[1,also+1,V]``; the head runs on those apart, so
+        the last row is the one ``last_only`` computes, to the bit)."""
         if cache.pending is not None:
             raise RuntimeError("commit() the last verify before stepping again")
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.shape[1] <= PREFILL_STEP:
-            return self._forward(tokens, cache, tap_layers, False, last_only)
+            return self._forward(tokens, cache, tap_layers, False, last_only, also)
+        if also:
+            raise ValueError(f"also={also}: only a step of at most {PREFILL_STEP} tokens")
         pieces = []
         for s in range(0, tokens.shape[1], PREFILL_STEP):
             piece = tokens[:, s:s + PREFILL_STEP]

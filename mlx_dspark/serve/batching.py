@@ -3,11 +3,12 @@ together by one decode/batch.py :class:`~mlx_dspark.decode.batch.Batch`, each on
 its own from a small pool.
 
 A request joins between two steps. Its prompt is prefilled a piece at a time (the pieces
-``decode`` cuts alone, decode/pieces.py), a piece's worth of tokens per turn of the engine
-(several short prompts, or one piece of a long one) beside the rows already decoding, the
-shortest prompt left first: a short request is not stuck behind a long
-prefill, and a cancelled one stops between two pieces. Each row's tokens become chunks by
-``text.stream.chunks``, the chunk builder ``api.stream`` runs on decode's tokens, fed here with the
+``decode`` cuts alone, decode/pieces.py), the shortest prompt left first: a short request is
+not stuck behind a long prefill, and a cancelled one stops between two pieces. While rows
+decode, the pieces run as a per-turn token budget accrues (``--prefill-budget``), so a long
+prompt does not stall them; with none decoding, a piece's worth runs each turn. Each row's
+tokens become chunks by ``text.stream.chunks``, the chunk builder ``api.stream`` runs on
+decode's tokens, fed here with the
 row's tokens and the stats as they stood at each, so a row's chunks are the ones its request
 gets alone. The prompt cache serves every row as it serves a request alone (PromptCache's
 parts: start, the checkpoints while it prefills, remember at the end of the answer); a
@@ -60,8 +61,9 @@ class Rows:
     """The batch an :class:`~mlx_dspark.serve.engine.Engine` runs (``engine``: its pair, prompt
     cache, counters and the job handing of a request alone)."""
 
-    def __init__(self, engine, max_batch: int):
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine, max_batch: int, prefill_budget: float = pieces.PREFILL_BUDGET):
+        self.engine, self.max_batch, self.prefill_budget = engine, max_batch, prefill_budget
+        self.credit = 0.0       # prompt tokens the joining rows may prefill now
         self.batch = Batch()
         self.members: list[Member] = []
         self.free: list[Session] = []
@@ -69,9 +71,9 @@ class Rows:
         self._wired = contextlib.ExitStack()
 
     def takes(self, job: Job) -> bool:
-        """Whether ``job`` may join now: a place is free and a batch decodes its request
-        (else it runs alone, once the batch is empty)."""
-        return len(self.members) < self.max_batch and Batch.refusal(job.request) is None
+        """Whether ``job`` may join now: a place is free (every request decodes in the batch,
+        a thinking budget's too)."""
+        return len(self.members) < self.max_batch
 
     def join(self, job: Job):
         """``job`` joins: its session continued from the prompt cache, its prefill started."""
@@ -102,8 +104,8 @@ class Rows:
         self.publish()
 
     def advance(self):
-        """One turn: the cancelled leave, the joining rows prefill a piece's worth, and the
-        rows decoding take one step together."""
+        """One turn: the cancelled leave, the joining rows prefill what the budget allows
+        (:meth:`_prefill`), and the rows decoding take one step together."""
         engine = self.engine
         with engine.pair.lock, mx.stream(device.generation_stream()):
             for member in [m for m in self.members if m.job.cancelled.is_set()]:
@@ -128,19 +130,23 @@ class Rows:
         self.publish()
 
     def _prefill(self):
-        """A piece's worth of prefill (``pieces.PIECE`` tokens): the joining rows' pieces,
-        the shortest prompt left first, as long as the next one fits what is left of it (so
-        several short prompts join in one turn, and a long one takes its turn's piece)."""
-        budget = pieces.PIECE
+        """The joining rows' prefill this turn, in whole pieces (decode/pieces.py), the
+        shortest prompt left first. While rows decode, the prompt tokens prefilled average
+        ``prefill_budget`` per turn: the budget accrues each turn and the next piece runs
+        once it is covered, so the rows decoding take about piece / budget steps between two
+        pieces (docs/batching.md, "Prefill beside decoding"). With no row decoding a turn
+        prefills a piece's worth (several short prompts, or one piece of a long one)."""
+        if not any(m.joining is not None for m in self.members):
+            self.credit = 0
+            return
+        self.credit = self.credit + self.prefill_budget if self.batch.rows else pieces.PIECE
         while joining := [m for m in self.members if m.joining is not None]:
             member = min(joining, key=_left)
-            if budget < pieces.PIECE and _left(member) > budget:
+            if _next_piece(member) > self.credit:
                 return
             before = member.prefill["done"]
             self._piece(member)
-            budget -= member.prefill["done"] - before
-            if budget <= 0:
-                return
+            self.credit -= member.prefill["done"] - before
 
     def _piece(self, member: Member):
         """One piece of ``member``'s prefill; once it has its first token, its row joins."""
@@ -223,3 +229,8 @@ class Rows:
 def _left(member: Member) -> int:
     """The prompt tokens ``member`` has still to prefill."""
     return member.prefill["total"] - member.prefill["done"]
+
+
+def _next_piece(member: Member) -> int:
+    """The tokens of ``member``'s next piece (at most: a checkpoint may cut it shorter)."""
+    return max(1, min(pieces.size_at(member.prefill["done"]), _left(member)))

@@ -1,11 +1,11 @@
 """The engine of ``mlx-dspark serve``: one thread that owns the pair and its sessions and runs
 the generations, first come first served.
 
-With ``max_batch`` 1 it runs one generation at a time on one session. With more, up to
-``max_batch`` requests decode together (batching.py: each on a session of its own, its prompt
-prefilled in pieces beside the others' steps); a request a batch does not take (a thinking
-budget) runs alone when it is next, once the batch has emptied. Either way each generation is
-exactly what ``generate()`` gives it alone. Every MLX call happens on this thread, loading
+It runs one scheduler over one batch (batching.py): up to ``max_batch`` requests decode
+together, each on a session of its own, its prompt prefilled in pieces beside the others'
+steps; every request joins, a thinking budget's too (``max_batch`` 1: a batch of at most one
+row, one generation at a time). Each generation is exactly what ``generate()`` (itself a batch
+of one) gives it alone. Every MLX call happens on this thread, loading
 included, so no lazy array crosses threads. The engine keeps session snapshots in a
 :class:`PromptCache` (in memory, and on disk with ``--prompt-cache-dir``): taken at message
 ends and every few thousand tokens while prefilling and at the end of each prompt and answer,
@@ -18,7 +18,7 @@ import collections
 import logging
 import threading
 
-from .. import api
+from ..decode.pieces import PREFILL_BUDGET
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
 from ..request import NonFiniteLogits, RequestError
@@ -35,7 +35,7 @@ LOG_AFTER = 1.0     # a prefill that has taken this many seconds logs a line per
 
 
 class Engine:
-    """The thread that owns the pair and serves jobs one at a time, in arrival order.
+    """The thread that owns the pair and serves jobs in arrival order.
 
     ``load()`` runs on the thread and returns the pair; ``max_queue`` jobs may wait while one
     runs (more are refused); ``cache_bytes`` bounds the snapshots kept in memory (0 and no
@@ -44,13 +44,14 @@ class Engine:
     (prompt_cache.disk.PromptStore) or None; ``use_drafter`` False (a server that never
     speculates) keeps the drafter out of the session, so no taps are collected;
     ``max_batch`` requests decode together (batching.py; 1: one at a time), and
-    ``max_queue`` more may wait."""
+    ``max_queue`` more may wait; ``prefill_budget``: the prompt tokens a joining request
+    prefills per turn, on average, while others decode (batching.Rows)."""
 
     def __init__(self, load, max_queue: int, cache_bytes: int, use_drafter: bool = True,
-                 store=None, max_batch: int = 1):
+                 store=None, max_batch: int = 1, prefill_budget: float = PREFILL_BUDGET):
         self.load, self.max_queue, self.use_drafter = load, max_queue, use_drafter
-        self.max_batch = max_batch
-        self.rows = None            # the batch (batching.Rows) when max_batch > 1
+        self.max_batch, self.prefill_budget = max_batch, prefill_budget
+        self.rows: Rows | None = None       # the batch, once the pair is loaded
         self._cache_bytes, self._store = cache_bytes, store
         self.cache: PromptCache | None = None
         self.pair = None
@@ -60,7 +61,6 @@ class Engine:
         self._lock = threading.Condition()      # over the three above; notified on a new job
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._current: Job | None = None
         # the running request's prefill, as /health shows it: {"done", "total", "seconds"}
         self.prefill: dict | None = None
         # the batch, as /health shows it: {"size", "max", "rows": [each row's phase]}
@@ -80,14 +80,13 @@ class Engine:
         """End every request with an error event: the waiting ones never start, the running
         one stops at its next token (or its prefill's next piece)."""
         with self._lock:
-            jobs = [self._current, *self._waiting,
+            jobs = [*self._waiting,
                     *(m.job for m in (list(self.rows.members) if self.rows else []))]
             self._active -= len(self._waiting)
             self._waiting.clear()
         for job in jobs:
-            if job is not None:
-                job.cancelled.set()
-                job.emit("error", reason)
+            job.cancelled.set()
+            job.emit("error", reason)
 
     def stop(self):
         """Cancel what is left and end the thread (the generation in flight stops at its next
@@ -140,40 +139,21 @@ class Engine:
     def _main(self):
         try:
             self.pair = self.load()
-            self.session = self.new_session()
-            store = self._store(self.pair, self.session) if self._store else None
+            store = self._store(self.pair, self.new_session()) if self._store else None
             if self._cache_bytes > 0 or store is not None:
                 self.cache = PromptCache(self._cache_bytes, store)
-            if self.max_batch > 1:
-                self.rows = Rows(self, self.max_batch)
+            self.rows = Rows(self, self.max_batch, self.prefill_budget)
         except BaseException as e:        # reported by start() on the main thread
             self._load_error = e
             return
         finally:
             self._ready.set()
-        while (work := self._next()) is not None:
-            what, job = work
-            if what == "alone":
-                self._alone(job)
-            elif what == "join":
+        while (job := self._next()) is not False:
+            if job is not None:
                 self.rows.join(job)
             else:
                 self.rows.advance()
-        if self.rows is not None:
-            self.rows.close()
-
-    def _alone(self, job: Job):
-        """Run ``job`` by itself on the engine's own session."""
-        try:
-            if job.cancelled.is_set():
-                job.emit("error", CANCELLED)
-            else:
-                self._run(job)
-        except Exception as e:
-            self.failed(job, e, self.session)
-        finally:
-            self._current = self.prefill = None
-            self.finished()
+        self.rows.close()
 
     def failed(self, job: Job, e: Exception, session: Session):
         """``job``'s generation on ``session`` raised ``e``: the client hears why."""
@@ -192,44 +172,18 @@ class Engine:
         with self._lock:
             self._active -= 1
 
-    def _next(self) -> tuple[str, Job | None] | None:
-        """What the thread does next, once there is something: ``("alone", job)`` (now the
-        current one), ``("join", job)`` (into the batch), ``("step", None)`` (the batch's next
-        turn); None once stopping. The queue is served in order: a job the batch does not
-        take waits, at its head, until the batch has emptied."""
+    def _next(self) -> Job | None | bool:
+        """What the thread does next, once there is something: a job to join the batch (the
+        queue's head, once a place is free), None for the batch's next turn, False once
+        stopping. The queue is served in order."""
         with self._lock:
             while not self._stopping:
-                head = self._waiting[0] if self._waiting else None
-                if head is not None and self.rows is not None and self.rows.takes(head):
-                    return "join", self._waiting.popleft()
-                if self.rows is not None and self.rows.members:
-                    return "step", None
-                if head is not None:
-                    self._current = self._waiting.popleft()
-                    return "alone", self._current
+                if self._waiting and self.rows.takes(self._waiting[0]):
+                    return self._waiting.popleft()
+                if self.rows.members:
+                    return None
                 self._lock.wait()
-            return None
-
-    def _run(self, job: Job):
-        session, cache = self.session, self.cache
-        if cache is not None:
-            stream = cache.through(session, lambda s: self._generation(job, s),
-                                   job.request.prompt, job.boundaries, job.space)
-        else:
-            session.reset()
-            stream = self._generation(job, session)
-        tokens = []
-        try:
-            for chunk in stream:
-                if not self.hand(job, chunk, tokens):
-                    break
-            else:
-                self.served += 1
-        except Left:                          # between two prefill pieces; those up to the
-            self.cancelled += 1               # last checkpoint stay, for a retry
-            job.emit("error", CANCELLED)
-        finally:
-            stream.close()      # the prompt cache remembers prompt and answer: the next turn
+            return False
 
     def hand(self, job: Job, chunk, tokens: list[int]) -> bool:
         """Hand ``chunk`` (``tokens``: the reply's so far, this one added) to ``job``'s
@@ -237,8 +191,7 @@ class Engine:
         (the generation stops here)."""
         tokens += [] if chunk.stop else [chunk.token]
         if chunk.finish_reason is not None and job.request.logprobs is not None:
-            job.emit("logprobs", logprobs.of_reply(self.pair.target, job.request,
-                                                   tokens, chunk.stats.logprobs))
+            job.emit("logprobs", logprobs.of_reply(tokens, chunk.stats))
         if chunk.stats.finish_detail == "context":     # logged before the client hears it
             log.warning("a reply ended at the model's context limit (%s tokens: %d of "
                         "prompt, %d generated)", self.pair.target.context_limit,
@@ -249,15 +202,6 @@ class Engine:
             job.emit("error", CANCELLED)   # ends a handler still waiting for it
             return False
         return True
-
-    def _generation(self, job: Job, session: Session):
-        """The job's generation on ``session``, its prefix restored: the client hears how
-        much was (``"started"``), and its prefill reports to :meth:`prefilling`."""
-        job.emit("started", len(session.tokens))
-        if self.cache is None:
-            session.on_checkpoint = None
-        return api.stream(self.pair, job.request, session,
-                          progress=self.prefilling(job))
 
     def prefilling(self, job: Job, where: dict | None = None):
         """The progress callback of ``job``'s prefill, called between its pieces (about 512

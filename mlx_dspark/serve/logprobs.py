@@ -2,47 +2,22 @@
 before temperature, top-p or top-k), for the server's ``logprobs`` fields.
 
 They are read off the rows the generation itself computed (``Request.logprobs``: the loop
-scores each token from the serial step's or the verify pass's row it was chosen from), so
-asking costs a log-softmax and a sort per token, not a second pass. The numbers depend only on
-the tokens, up to float rounding between a verify pass and a serial step (about 1e-6). A reply
-whose tokens the loop did not all choose itself (a thinking budget writes the end of the
-thinking block) is scored again by the target on a cache of its own, prompt and reply in two
-steps (:func:`score`)."""
+scores each token from the serial step's or the verify pass's row it was chosen from, a thinking
+budget's closing ids from the prefill that feeds them), so asking costs a log-softmax and a
+sort per token, never a second pass (nor a prefill inside a batch). The numbers depend only on
+the tokens, up to float rounding between a verify pass and a serial step (about 1e-6)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 
-from ..models.media_rows import step_input
-
-
-def of_reply(target, request, tokens: list[int], scored: list | None) -> list[tuple]:
+def of_reply(tokens: list[int], stats) -> list[tuple]:
     """``(token, logprob, alternatives)`` for each of the reply's ``tokens`` (stop tokens
-    left out): the generation's own scores (``Stats.logprobs``) when they cover exactly these
-    tokens, else scored again (:func:`score`)."""
-    if scored is not None and [t for t, _, _ in scored[:len(tokens)]] == tokens:
-        return scored[:len(tokens)]
-    return score(target, list(request.prompt), tokens, request.logprobs)
-
-
-def score(target, prompt: list[int], tokens: list[int], top: int) -> list[tuple]:
-    """``(token, logprob, [(id, logprob), ...] the top alternatives)`` for each token."""
-    if not tokens:
-        return []
-    cache = target.make_cache()
-    first, _ = target.step(step_input(target, prompt), cache, last_only=True)
-    rows = [first[0, -1:]]
-    if len(tokens) > 1:
-        rest, _ = target.step(mx.array([tokens[:-1]]), cache)
-        rows.append(rest[0])
-    logp = mx.concatenate(rows).astype(mx.float32)
-    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logp, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    order = mx.argsort(-logp, axis=-1)[:, :top] if top else None
-    alts = mx.take_along_axis(logp, order, axis=-1) if top else None
-    chosen = chosen.tolist()
-    order, alts = (order.tolist(), alts.tolist()) if top else ([[]] * len(tokens),) * 2
-    return [(t, lp, list(zip(o, a))) for t, lp, o, a in zip(tokens, chosen, order, alts)]
+    left out), from the generation's ``stats`` (Stats.scores: those set with its last token,
+    or read so far when a stop string ended the reply before it)."""
+    scored = (stats.scores() or [])[:len(tokens)]
+    if [t for t, _, _ in scored] != tokens:
+        raise RuntimeError("the generation's scores are not its reply's tokens")
+    return scored
 
 
 def openai(kind: str, scores: list[tuple], tokenizer) -> dict:
