@@ -29,7 +29,7 @@ def child(source: str | None) -> dict:
     if source is not None:
         checkout.use(source)
     import mlx_dspark as md
-    from mlx_dspark.decode.loop import decode
+    from mlx_dspark.decode.batch import decode
     from mlx_dspark.decode.session import Session
 
     pair = md.load()

@@ -19,7 +19,7 @@ import time
 
 import mlx_dspark as md
 from mlx_dspark.decode.batch import Batch
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
 from mlx_dspark.stats import Stats

@@ -238,7 +238,7 @@ def stream(pair: Pair, request: Request, session: Session | None = None,
     speculates, or continued from the pair's prompt cache when it has one; ``boundaries``:
     where the prompt's chat messages end, checkpoints; ``progress``: the prefill's callback,
     as :func:`stream_generate` has it). The request is decoded as it is."""
-    from .decode.loop import decode
+    from .decode.batch import decode
 
     if session is None and pair.prompt_cache is not None:
         return _cached(pair, request, boundaries, progress)

@@ -9,7 +9,7 @@ from mlx_dspark.policy.batch_control import BatchControl, SizeControl
 from mlx_dspark.policy.controller import Controller
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 
 
 def serial_greedy(target, prompt, max_tokens) -> list[int]:

@@ -9,7 +9,7 @@ from testkit.cli_pair import make_pair
 from testkit.loop_helpers import FixedCosts
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.oracle_drafter import OracleDrafter
 

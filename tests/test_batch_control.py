@@ -9,7 +9,7 @@ import pytest
 from testkit.loop_helpers import FixedBatchCosts, FixedCosts, serial_greedy
 from mlx_dspark.policy import controller as C
 from mlx_dspark.decode.batch import Batch
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
 from mlx_dspark.stats import Stats, format_mode

@@ -18,7 +18,7 @@ import pytest
 import mlx_dspark as md
 from mlx_dspark.api import make_request
 from mlx_dspark.decode.batch import Batch, decode_batch
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.run import StaleGenerator
 from mlx_dspark.decode.session import Session
 from mlx_dspark.stats import Stats

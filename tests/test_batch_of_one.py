@@ -13,7 +13,7 @@ import pytest
 
 import mlx_dspark as md
 from mlx_dspark.decode.batch import Batch
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.stats import Stats
 

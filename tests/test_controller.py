@@ -8,7 +8,7 @@ from testkit.loop_helpers import FixedCosts, serial_greedy
 from mlx_dspark.policy import controller as C
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.oracle_drafter import OracleDrafter
 from testkit.toy import random_drafter, tiny_target

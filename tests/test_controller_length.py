@@ -14,7 +14,7 @@ import pytest
 import mlx_dspark as md
 from testkit.loop_helpers import serial_greedy
 from mlx_dspark.policy import controller as C, length as L
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.drafters import KINDS
 from mlx_dspark.request import Request, RequestError

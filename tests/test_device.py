@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dspark import device
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
 from testkit.toy import random_drafter, tiny_target

@@ -13,7 +13,7 @@ from testkit.loop_helpers import serial_greedy
 from testkit.reference_drafter import read_safetensors
 from testkit.reference_dflash import ReferenceDFlash
 
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.drafters import DEMO
 from mlx_dspark.drafters.base import DrafterError

@@ -8,7 +8,7 @@ import pytest
 from testkit.loop_helpers import serial_greedy
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.toy import random_dflash, random_drafter, random_eagle3, random_mtp, tiny_target
 

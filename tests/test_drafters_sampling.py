@@ -13,7 +13,7 @@ import pytest
 
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from testkit.toy import random_dflash, random_drafter, random_eagle3, random_mtp, tiny_target
 from test_sampling_acceptance import chi2_pvalue
 

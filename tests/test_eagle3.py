@@ -18,7 +18,7 @@ from mlx_dspark.drafters import load_drafter
 from mlx_dspark.drafters.eagle3 import Eagle3Drafter, parse_config
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.models.nemotron_h import load_target
 from testkit.toy import random_eagle3_weights, tiny_target
 

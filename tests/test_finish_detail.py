@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 import mlx_dspark as md
 from mlx_dspark import api
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.decode.session import Session
 from mlx_dspark.request import Request
 from mlx_dspark.serve.app import create_app

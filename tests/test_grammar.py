@@ -25,7 +25,7 @@ from mlx_dspark.grammar import grammars as G
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.logits.sampling import Sampler, constrain, gumbel_max
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from testkit.toy import random_drafter, tiny_target
 
 from test_sampling_acceptance import chi2_pvalue, warp64

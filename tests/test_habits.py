@@ -14,7 +14,7 @@ import mlx_dspark as md
 from mlx_dspark import cli
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):\n"
@@ -144,7 +144,7 @@ def test_dir_lists_the_public_api():
     assert set(names) <= set(dir(md)) and set(md.__all__) == set(names)
     for name in md.__all__:
         assert getattr(md, name) is not None
-    assert md.Chunk.__module__ == "mlx_dspark.api"
+    assert md.Chunk.__module__ == "mlx_dspark.text.stream"     # the chunk stream, below serve
     assert md.Request is Request and md.Session is Session
     assert md.Stats.__module__ == "mlx_dspark.stats"
 

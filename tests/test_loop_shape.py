@@ -12,7 +12,7 @@ from mlx_dspark.decode import loop as speculative
 from mlx_dspark.request import Request
 from mlx_dspark.logits.sampling import Noise, Sampler
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.toy import random_drafter, tiny_target
 

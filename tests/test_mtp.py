@@ -14,7 +14,7 @@ from mlx_dspark.models.weights import CheckpointError
 from mlx_dspark.drafters import load_drafter
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.models.nemotron_h import load_target
 from testkit.toy import random_mtp_weights, tiny_target
 

@@ -16,7 +16,7 @@ from mlx_dspark import cli
 from mlx_dspark.converter.convert import convert
 from mlx_dspark.request import NonFiniteLogits, Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.models.nemotron_h import NemotronH, load_target
 
 FIX = Path(__file__).parent / "fixtures"

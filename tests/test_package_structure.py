@@ -151,6 +151,7 @@ def test_no_module_is_over_650_lines_and_the_loop_over_350():
     too_long = {f"{name} ({_lines(f)} lines)" for name, f in _modules().items()
                 if _lines(f) > RUNTIME_LINES}
     assert not too_long, f"over {RUNTIME_LINES} lines: {', '.join(sorted(too_long))}"
+    # the round's steps read as the algorithm; the one driver that runs them is the batch's
     loop = ROOT / "mlx_dspark" / "decode" / "loop.py"
-    assert "\ndef decode(" in loop.read_text()
+    assert "\ndef decode(" in (ROOT / "mlx_dspark" / "decode" / "batch.py").read_text()
     assert _lines(loop) <= DECODE_LINES, f"decode/loop.py has {_lines(loop)} lines"

@@ -15,7 +15,7 @@ from mlx_dspark.policy.controller import Controller
 from mlx_dspark.request import Request
 from mlx_dspark.logits.sampling import Noise, Sampler, log_warp
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.oracle_drafter import OracleDrafter
 from testkit.toy import random_drafter, tiny_target

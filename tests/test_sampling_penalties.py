@@ -18,7 +18,7 @@ import pytest
 import mlx_dspark as md
 from mlx_dspark.decode import run as run_module
 from mlx_dspark.logits.draw import Draw
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.logits.processors import Processors
 from mlx_dspark.logits.sampling import Sampler, warp
 from mlx_dspark.decode.session import Session

@@ -19,7 +19,7 @@ from mlx_dspark.cli.chat import Conversation
 from mlx_dspark.cli.common import flag_error
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 
 PROMPTS = ["def f(x):", "class Stack:\n    def __init__(self):", "import os\n\n"]
 FOLLOW = [[10, 11], [4, 101, 9], [17]]            # each turn extends its own session

@@ -8,7 +8,7 @@ import pytest
 from testkit.loop_helpers import serial_greedy, top2_gap
 from mlx_dspark.request import Request, RequestError
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
 from testkit.oracle_drafter import OracleDrafter
 from testkit.toy import random_drafter, tiny_target

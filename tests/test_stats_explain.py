@@ -9,7 +9,7 @@ import pytest
 import mlx_dspark as md
 from mlx_dspark.request import Request
 from mlx_dspark.decode.session import Session
-from mlx_dspark.decode.loop import decode
+from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats, format_stats
 from testkit.loop_helpers import FixedCosts
 from testkit.oracle_drafter import OracleDrafter

@@ -21,7 +21,7 @@ import statistics
 
 import mlx.core as mx
 
-from ..decode.loop import decode
+from ..decode.batch import decode
 from ..decode.session import Session
 from ..request import Request
 from ..stats import Stats

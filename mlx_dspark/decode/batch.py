@@ -20,6 +20,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .. import device
 from ..request import NonFiniteLogits, Request, RequestError
 from ..stats import Stats
 from . import budget, loop
@@ -442,12 +443,25 @@ def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list
     return [token]
 
 
+def decode(session: Session, request: Request, stats: Stats | None = None,
+           progress=None) -> Iterator[int]:
+    """The tokens of ``request`` on ``session``: up to ``max_tokens``; a stop token is
+    yielded and ends the run. ``stats`` (optional) is filled in as the run goes; its
+    ``finish_reason`` is set just before the last token is yielded. ``progress``: the
+    prefill's callback (prefill.prefill). A request the session cannot serve is refused
+    here, before any token is asked for. It is decoded as a batch of one: this module is the
+    one driver, and a row alone takes the loop's own steps (loop._serial, loop._round)."""
+    return device.housekept(decode_one(session, request, stats, progress),
+                            (session.target, session.drafter))
+
+
 def decode_one(session: Session, request: Request, stats: Stats | None = None,
                progress=None) -> Iterator[int]:
-    """``request`` on ``session`` as a batch of one (loop.decode): checked and started at
-    once, prefilled at the first ``next()``, then its tokens one at a time, ``stats`` standing
-    as they did when each came; a row that fails raises its error after the tokens before
-    it, and a generator resumed after another call took its session raises StaleGenerator."""
+    """``request`` on ``session`` as a batch of one (:func:`decode` without the device's
+    housekeeping): checked and started at once, prefilled at the first ``next()``, then its
+    tokens one at a time, ``stats`` standing as they did when each came; a row that fails
+    raises its error after the tokens before it, and a generator resumed after another call
+    took its session raises StaleGenerator."""
     batch = Batch()
     return _one(batch, batch.join(session, request, Stats(), progress),
                 stats if stats is not None else Stats())

@@ -26,13 +26,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import mlx.core as mx
 
-from .. import device
-from ..request import Request
-from ..stats import Stats
 from ..logits import sampling
 from ..logits.draw import Draw
 from ..logits.sampling import constrain
@@ -144,20 +140,6 @@ def undo_ahead(session: Session):
 
 # ---------------------------------------------------------------------------------------------
 # The loop
-
-
-def decode(session: Session, request: Request, stats: Stats | None = None,
-           progress=None) -> Iterator[int]:
-    """The tokens of ``request`` on ``session``: up to ``max_tokens``; a stop token is
-    yielded and ends the run. ``stats`` (optional) is filled in as the run goes; its
-    ``finish_reason`` is set just before the last token is yielded. ``progress``: the
-    prefill's callback (:func:`prefill`). A request the session cannot serve is refused
-    here, before any token is asked for. It is decoded as a batch of one (batch.py, the one
-    driver, whose steps are this module's: a row alone takes :func:`_serial` and
-    :func:`_round` as they are)."""
-    from .batch import decode_one       # batch.py is built on this module's steps
-    return device.housekept(decode_one(session, request, stats, progress),
-                            (session.target, session.drafter))
 
 
 def _first(run: Run) -> int:

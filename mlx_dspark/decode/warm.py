@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..kernels.norm import FUSED_ROWS
 from ..request import AUTO_DRAFT, Request
 from ..policy import length
-from .loop import decode
+from .batch import decode
 from .session import Session
 
 # The warm-up's prompt: longer than the blocks that take the short-block kernels (the fused

@@ -105,7 +105,7 @@ def parse_config(cfg: dict, where: str, target_layers: int) -> Eagle3Config:
             isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of "
                            f"integers, not {ids!r}")
-    check_drafter(cfg, where)
+    check_drafter({"num_hidden_layers": 1, **cfg}, where)      # one layer when not said
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     vocab = int(cfg["vocab_size"])
