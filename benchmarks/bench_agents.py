@@ -126,7 +126,7 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
     """Claude Code (Anthropic Messages, adaptive thinking) and opencode (chat completions)
     against one ``serve --max-batch 4`` on the demo pair at once: each client's exit and
     answer, and the batch as /health showed it while both ran (``both_in_one_batch``: a
-    moment with both clients' rows decoding together)."""
+    moment with a row of each client's route in it, prefilling or decoding)."""
     proc, url = launch(["--max-batch", "4"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
     home, work = workdir()
@@ -143,7 +143,7 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
                CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(max_tokens))
     runs = {"claude_code": [bins["claude"], "--allowedTools", "Read", "-p", prompt],
             "opencode": [bins["opencode"], "run", prompt]}
-    sizes, t0 = [], time.monotonic()
+    batches, t0 = [], time.monotonic()
     try:
         procs = {name: subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
@@ -151,7 +151,7 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
         with httpx.Client(base_url=url, timeout=30) as http:
             while any(p.poll() is None for p in procs.values()) and \
                     time.monotonic() - t0 < seconds:
-                sizes.append(http.get("/health").json()["batch"]["size"])
+                batches.append({r["route"] for r in http.get("/health").json()["batch"]["rows"]})
                 time.sleep(0.05)
     finally:
         for p in procs.values():
@@ -159,9 +159,11 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
                 p.kill()
         stop(proc)
     out = {name: {"exit": p.wait(), "tail": p.stdout.read()[-400:]} for name, p in procs.items()}
-    return {**out, "seconds": round(time.monotonic() - t0, 1), "largest_batch": max(sizes),
-            "both_in_one_batch": max(sizes) >= 2,
-            "share_of_samples_with_2_rows": round(sum(n >= 2 for n in sizes) / len(sizes), 3)}
+    both = {"/v1/messages", "/v1/chat/completions"}       # Claude Code's and opencode's
+    together = [b for b in batches if both <= b]
+    return {**out, "seconds": round(time.monotonic() - t0, 1), "samples": len(batches),
+            "both_in_one_batch": bool(together),
+            "share_of_samples_with_both": round(len(together) / max(1, len(batches)), 3)}
 
 
 def long_prompt(tokens: int, pings: int) -> dict:

@@ -267,6 +267,7 @@ def test_health_shows_the_batch_and_each_rows_phase(engine, pair):
     decode = next(r for r in health["batch"]["rows"] if r["phase"] == "decode")
     assert prefill["total"] == LONG and 0 <= prefill["done"] < LONG
     assert decode["generated"] >= 2
+    assert prefill["route"] == decode["route"] == ""      # submitted here, not over HTTP
     engine.cancel(talking)
     _until(lambda: _over(heard, talking) and _over(heard, reading))
     _until(lambda: client.get("/health").json()["batch"]["size"] == 0)

@@ -220,8 +220,9 @@ class Rows:
 
     def publish(self):
         """What ``/health`` shows of the batch, replaced whole (read from another thread)."""
-        rows = [{"phase": "prefill", **m.prefill} if m.joining is not None or m.row is None
-                else {"phase": "decode", "generated": m.shown.generated}
+        rows = [{"route": m.job.route, **({"phase": "prefill", **m.prefill}
+                                          if m.joining is not None or m.row is None
+                                          else {"phase": "decode", "generated": m.shown.generated})}
                 for m in self.members]
         self.engine.batch = {"size": len(rows), "max": self.max_batch, "rows": rows}
 

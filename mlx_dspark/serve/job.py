@@ -40,6 +40,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     boundaries: tuple = ()      # where the prompt's chat messages end (checkpoints)
     space: str = ""             # whose snapshots it may use (API key and cache_salt, hashed)
+    route: str = ""             # the path it came on, as /health shows each row
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     unread: int = 0             # events emitted and not yet taken

@@ -76,7 +76,8 @@ class Server:
         ids = await self.encode(asked)
         boundaries = await self.checkpoints(asked, ids)
         job = Job(await self.build(asked, ids), asyncio.get_running_loop(),
-                  boundaries=boundaries, space=cache_space(request, body))
+                  boundaries=boundaries, space=cache_space(request, body),
+                  route=request.url.path)
         self.engine.submit(job)
         return job
 
