@@ -16,14 +16,12 @@ import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from mlx_dspark import api
 from mlx_dspark.serve import relay
-from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.text.tokenizer import chat_ids
-from testkit.server_helpers import app_client, started_engine
+from testkit.server_helpers import app_client, served, started_engine
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "def greet(name):"}]
@@ -71,17 +69,8 @@ def held(engine, monkeypatch):
 @pytest.fixture
 def url(engine):
     """The app served by uvicorn on a thread, on a free port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, "demo"), lifespan="off",
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert _until(lambda: uv.started)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with served(engine) as url:
+        yield url
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,21 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from mlx_dspark import api
 from mlx_dspark.serve import job as job_module
 from mlx_dspark.serve import relay
-from mlx_dspark.serve.app import create_app
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.serve.errors import ApiError
 
-from testkit.server_helpers import started_engine
+from testkit.server_helpers import served, started_engine
 
 BOUND = 12
 USER = [{"role": "user", "content": "class Stack:"}]
@@ -85,17 +82,8 @@ def test_a_client_that_stops_reading_is_stopped_at_the_bound_and_the_others_go_o
 @pytest.fixture
 def url(engine):
     """The app served by uvicorn on a thread, on a free port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, "demo"), lifespan="off",
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert _until(lambda: uv.started)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with served(engine) as url:
+        yield url
 
 
 def _until(condition, seconds=300.0) -> bool:
