@@ -52,3 +52,14 @@ def served(engine):
         uv.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def until(condition, seconds: float) -> bool:
+    """Whether ``condition()`` came true within ``seconds`` (checked every 10 ms): the tests'
+    wait on a state another thread makes, the limit only a guard against a hang."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -21,7 +21,7 @@ from mlx_dspark import api
 from mlx_dspark.serve import relay
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.text.tokenizer import chat_ids
-from testkit.server_helpers import app_client, served, started_engine
+from testkit.server_helpers import app_client, served, started_engine, until
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "def greet(name):"}]
@@ -38,12 +38,7 @@ def client(engine):
 
 
 def _until(condition, seconds=10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return until(condition, seconds)
 
 
 @pytest.fixture

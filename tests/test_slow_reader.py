@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from mlx_dspark.serve import relay
 from mlx_dspark.serve.engine import Job
 from mlx_dspark.serve.errors import ApiError
 
-from testkit.server_helpers import served, started_engine
+from testkit.server_helpers import served, started_engine, until
 
 BOUND = 12
 USER = [{"role": "user", "content": "class Stack:"}]
@@ -87,12 +86,7 @@ def url(engine):
 
 
 def _until(condition, seconds=300.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return until(condition, seconds)
 
 
 def test_an_http_client_that_stops_reading_gets_the_error_after_what_was_queued(

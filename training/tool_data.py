@@ -16,18 +16,16 @@ sends. Three kinds of reply carry the loss:
 Tool sets vary: the agents' own (Codex's ``shell`` / ``exec_command`` and ``apply_patch``,
 Claude Code's ``Bash`` / ``Read`` / ``Write``, opencode's ``bash`` / ``read`` / ``list`` /
 ``write``) and generated ones, whose names, descriptions and parameter names are drawn from the
-lists below. The held-out tool sets and requests (``testkit.demo_acts``) use
+lists below. The held-out tool sets and requests (``testkit.demo_acts``: run from the checkout
+with ``PYTHONPATH=.``) use
 names, parameter names, descriptions and requests that no training example has
 (``check_heldout`` asserts it when this module is run).
 """
-import sys
-from pathlib import Path
 import json
 import random
 import re
 
 import chat_data
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
 from testkit.demo_acts import HELDOUT_REQUESTS, HELDOUT_TOOLS, function
 
 SEED = 4141
