@@ -47,7 +47,7 @@ def together(pair, requests, stats, costs=None):
         n += sum(len(row.tokens) for row in batch.step())
     rate = n / (time.perf_counter() - t0)
     if costs is not None:
-        controls = [((1,), rows[0].run.control)] if len(rows) == 1 else batch.control.sizes.items()
+        controls = [((1,), rows[0].control)] if len(rows) == 1 else batch.control.sizes.items()
         for (*_, size), control in controls:
             costs.setdefault(size, []).append((control.round_cost, control.decided))
     return rate

@@ -187,6 +187,9 @@ class Request:
     logits_processors: tuple = ()
     sampler: object = None
     after_thinking: bool = False
+    # the sampling values above as the one logits.sampling.Sampler every step reads (made,
+    # and checked, once here)
+    warping: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -212,8 +215,10 @@ class Request:
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens must be at least 1, not "
                                              f"{self.max_tokens!r}")
-        check_sampling(self.temperature, self.top_p, self.top_k, self.sampling, self.min_p,
-                       self.min_tokens_to_keep)
+        from .logits.sampling import Sampler      # (the module imports this one)
+        object.__setattr__(self, "warping", Sampler(
+            self.temperature, self.top_p, self.top_k, self.sampling, self.vocab_limit,
+            self.min_p, self.min_tokens_to_keep, self.sampler))
         check_penalties(self.repetition_penalty, self.repetition_context_size,
                         self.presence_penalty, self.frequency_penalty)
         self._check_callables()

@@ -302,7 +302,7 @@ def test_a_client_that_leaves_stops_the_prefill_within_one_piece(monkeypatch):
     def step(self, tokens, cache, **kw):
         if tokens.size > 1:
             pieces.append(tokens.size)
-            job = engine.rows.members[0].job
+            job = engine.rows.members[0]
             first[:] = [min([b for b in job.boundaries if b > 0] + [CHECKPOINT_EVERY])]
             if sum(pieces) >= first[0]:
                 job.cancelled.set()                 # the client leaves in this piece

@@ -309,7 +309,7 @@ def test_pipelined_rows_that_stop_or_reach_max_tokens_leave_every_cache_as_alone
     while batch.rows:
         for row in batch.step():
             got[rows.index(row)] += row.tokens
-        pipelined += len(batch.rows) > 1 and all(r.run.session.ahead is not None
+        pipelined += len(batch.rows) > 1 and all(r.session.ahead is not None
                                                   for r in batch.rows)
     assert got == want
     assert pipelined >= 4 and len(rewinds) >= 2     # the stop rows' parts and the others'

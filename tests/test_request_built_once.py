@@ -112,3 +112,37 @@ def test_split_thinking_false_gives_the_thinking_as_text(engine):
     assert whole.reasoning == "" and whole.text.startswith(split.reasoning)
     with pytest.raises(ValueError, match="split_thinking must be True or False"):
         api.make_request(pair, "hi", split_thinking="no")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_sampling_values_are_checked_once_and_every_step_reads_that_one_sampler(
+        engine, seen, route, monkeypatch):
+    """A request's sampling values take one shape (``Request.warping``, a Sampler made and
+    checked when the Request is) and are checked once: the row decodes with that very
+    Sampler, its draws and its noise read it, nothing builds another from the values."""
+    from mlx_dspark import request as request_module
+    from mlx_dspark.decode.run import Row
+    from mlx_dspark.logits import sampling
+
+    checks, rows, begin = [], [], Row.begin
+    real = sampling.check_sampling
+
+    def counted(*a, **k):
+        checks.append(a)
+        return real(*a, **k)
+
+    def began(self, request, *a, **k):
+        rows.append(begin(self, request, *a, **k))
+        return rows[-1]
+
+    monkeypatch.setattr(sampling, "check_sampling", counted)
+    monkeypatch.setattr(request_module, "check_sampling", counted)
+    monkeypatch.setattr(Row, "begin", began)
+    path, body = ROUTES[route]
+    r = _client(engine).post(path, json={**body, "temperature": 0.7})
+    assert r.status_code == 200, r.text
+    (request,) = seen["made"]
+    assert len(checks) == 1, f"sampling checked {len(checks)} times for one {route}"
+    assert checks[0][:3] == (0.7, request.top_p, request.top_k)
+    (row,) = rows
+    assert row.sampler is request.warping and row.noise.sampler is request.warping

@@ -111,7 +111,7 @@ def test_accepted_drafts_give_the_next_verify_rows_their_history(target, serial,
 
 
 def bonus_history_only(self, logits, bonus, drafts):
-    """A broken ``Run.verified``: every verify row penalised with the first row's history
+    """A broken ``Row.verified``: every verify row penalised with the first row's history
     (every row's code 0: usable)."""
     p = self.processors
     return mx.concatenate([p(p.history(self.session.tokens, bonus), logits[i:i + 1])
@@ -121,7 +121,7 @@ def bonus_history_only(self, logits, bonus, drafts):
 
 def test_verify_rows_with_the_wrong_history_are_caught(target, serial, monkeypatch):
     """The test above has teeth."""
-    monkeypatch.setattr(run_module.Run, "verified", bonus_history_only)
+    monkeypatch.setattr(run_module.Row, "verified", bonus_history_only)
     oracle = OracleDrafter(PROMPT + serial["all"], 97, acceptance=0.7, seed=3)
     assert generate(target, oracle, "on", num_draft=4, **ALL) != serial["all"]
 
@@ -298,7 +298,7 @@ def test_rejection_sampling_with_penalties_and_min_p_matches_the_penalised_targe
 
 @pytest.mark.slow
 def test_the_chi_square_test_fails_when_verify_rows_miss_the_drafts_before_them(monkeypatch):
-    monkeypatch.setattr(run_module.Run, "verified", bonus_history_only)
+    monkeypatch.setattr(run_module.Row, "verified", bonus_history_only)
     assert first_three_pvalue() < 1e-3
 
 

@@ -228,7 +228,7 @@ def test_a_row_decoding_beside_a_long_prefill_takes_the_budgets_steps_between_it
 
     def published():
         publish()
-        reading = [m for m in rows.members if m.job is not talking]
+        reading = [m for m in rows.members if m is not talking]
         if reading:
             seen.append((reading[0].prefill["done"], len(_events(heard, talking))))
     rows.publish, rows.prefill_budget = published, 8
@@ -312,8 +312,8 @@ def test_thinking_budgets_openai_and_anthropic_decode_in_the_batch_beside_plain_
 
     def published():
         publish()
-        decoding.append(sorted(-1 if m.job.request.thinking_token_budget is None
-                               else m.job.request.thinking_token_budget
+        decoding.append(sorted(-1 if m.request.thinking_token_budget is None
+                               else m.request.thinking_token_budget
                                for m in rows.members if m.row is not None))
 
     def gated():            # the first turn waits for every request: they join together

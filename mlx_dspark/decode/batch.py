@@ -31,36 +31,8 @@ from .loop import Ahead as RowAhead
 from .loop import (_emit, _first, _serial, _speculate, builds_ahead, first_steps, pick,
                    round_steps, undo_ahead)
 from .prefill import to_the_end
-from .run import Call, Run, StaleGenerator, check, finite
+from .run import Row, StaleGenerator, check, finite
 from .session import Session
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence of a batch: its stretch of decoding (loop.Run; None for a reply written
-    whole before it decoded: a budget of 0 with no room after the closing ids), the tokens its
-    last step emitted, the room left after them (None once it has ended) and why it ended
-    early (``error``: the exception the row alone would have raised). A request with a
-    thinking budget keeps its ``plan`` (budget.Plan): its stretches follow one another within
-    the row, the closing ids ``written`` between two steps, emitted with the next one."""
-
-    run: Run | None
-    tokens: list[int] = field(default_factory=list)
-    # the stats as they stood as each of ``tokens`` was handed out (a consumer that streams
-    # the row sees what it would see alone: the count so far, the finish reason on the last)
-    seen: list[Stats] = field(default_factory=list)
-    room: int | None = None
-    error: Exception | None = None
-    plan: budget.Plan | None = None
-    written: list[tuple[int, Stats]] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.room is None
-
-    @property
-    def stats(self) -> Stats:
-        return self.plan.stats if self.plan is not None else self.run.stats
 
 
 @dataclass(eq=False)
@@ -81,7 +53,7 @@ class Ahead:
 
     def whole(self) -> bool:
         """Whether every row's part is still its session's step ahead."""
-        return all(row.run.session.ahead is part for row, part in zip(self.rows, self.parts))
+        return all(row.session.ahead is part for row, part in zip(self.rows, self.parts))
 
     def steps(self, rows: list[Row], n: int, taps) -> bool:
         """Whether this is the step ``rows`` take next (``n`` drafts, tapping ``taps``)."""
@@ -89,8 +61,8 @@ class Ahead:
 
     def undo(self):
         for row, part in zip(self.rows, self.parts):
-            if row.run.session.ahead is part:
-                undo_ahead(row.run.session)
+            if row.session.ahead is part:
+                undo_ahead(row.session)
 
 
 class Batch:
@@ -106,7 +78,7 @@ class Batch:
 
     def add(self, session: Session, request: Request, stats: Stats | None = None) -> Row:
         row = self._start(session, request, stats)
-        self._emit(row, lambda: [_first(row.run)])
+        self._emit(row, lambda: [_first(row)])
         if not row.done:
             self.rows.append(row)
         return row
@@ -122,7 +94,7 @@ class Batch:
 
     def _joined(self, row: Row):
         try:
-            token = None if row.run is None else (yield from first_steps(row.run))
+            token = None if row.request is None else (yield from first_steps(row))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:
             row.room, row.error = None, e
             return row
@@ -135,23 +107,22 @@ class Batch:
                progress=None) -> Row:
         """The row of ``request`` on ``session``, checked and started, not yet prefilled."""
         check(session, request)
-        if self.rows and session.target is not self.rows[0].run.session.target:
+        if self.rows and session.target is not self.rows[0].session.target:
             raise ValueError("every row of a batch decodes on one target")
-        if any(r.run.session is session for r in self.rows):
+        if any(r.session is session for r in self.rows):
             raise ValueError("this session already decodes a row of the batch")
-        call = Call(session, constraints.of(request, session.target.config.vocab_size),
-                    Processors.of(request), progress=progress)
+        row = Row(session, constraints.of(request, session.target.config.vocab_size),
+                  Processors.of(request), progress)
         undo_ahead(session)            # a suspended generator's step built ahead
         session.generation += 1
-        call.generation = session.generation
+        row.generation = session.generation
         stats = stats if stats is not None else Stats()
         if not budget.applies(request):
-            return Row(Run.start(call, request, stats))
-        plan = budget.Plan(request, stats, call)
-        thinking = plan.thinking()
+            return row.begin(request, stats)
+        row.plan = budget.Plan(request, stats, row)
+        thinking = row.plan.thinking()
         if thinking is not None:
-            return Row(Run.start(call, thinking, Stats()), plan=plan)
-        row = Row(None, plan=plan)
+            return row.begin(thinking, Stats())
         self._close(row, None)
         return row
 
@@ -167,13 +138,13 @@ class Batch:
             if over:
                 return False
             plan.advance(token)
-        row.run = Run.start(plan.call, plan.rest(), Stats(), forced=len(closing))
+        row.begin(plan.rest(), Stats(), forced=len(closing))
         return True
 
     def remove(self, row: Row):
         """Take ``row`` out (between steps): the others go on as if it had never joined."""
         self.rows.remove(row)
-        undo_ahead(row.run.session)
+        undo_ahead(row.session)
         self._keep_whole()
 
     def step(self) -> list[Row]:
@@ -182,13 +153,13 @@ class Batch:
         session another call took over since (``StaleGenerator``), before any step touches it."""
         for row in self.rows:
             try:
-                row.run.call.still_current()
+                row.still_current()
             except StaleGenerator as e:
                 row.room, row.error, row.tokens = None, e, []
         rows = [r for r in self.rows if not r.done]
         if len(rows) == 1 and not self.ahead:   # a batch of one: the loop's own step, by its
             row = rows[0]                       # own controller, no grouping to do
-            row.run.pooled, row.run.batch = None, 1
+            row.pooled, row.batch = None, 1
             self._alone(row, _plan(row, set())[0])
             self.rows = [] if row.done else rows
             return rows
@@ -204,7 +175,7 @@ class Batch:
                 continue
             if i not in taken:
                 for row in group:
-                    undo_ahead(row.run.session)     # built while it stepped alone
+                    undo_ahead(row.session)     # built while it stepped alone
             # a cohort's step prices its size's costs when it ran as one forward (rows near
             # their max_tokens may draft fewer than the others, and so verify apart)
             control, members = deciding.get(tag, (None, ()))
@@ -221,8 +192,8 @@ class Batch:
         """``row`` steps alone: the loop's own step, a round of ``n`` drafts or a serial step
         (built ahead within a serial stretch)."""
         token = row.tokens[-1]
-        self._emit(row, (lambda: loop._round(row.run, token, n)) if n else
-                   (lambda: [_serial(row.run, token, row.room)]), step=True)
+        self._emit(row, (lambda: loop._round(row, token, n)) if n else
+                   (lambda: [_serial(row, token, row.room)]), step=True)
 
     def _keep_whole(self):
         """Undo each batched step built ahead that lost a row's part (the row ended or left):
@@ -240,19 +211,19 @@ class Batch:
         ahead, which decide nothing (each is taken only where this plan steps its rows)."""
         cohorts: dict[tuple, list[Row]] = {}
         for row in rows:
-            key = cohort(row.run)
+            key = cohort(row)
             if key is not None:
                 cohorts.setdefault(key, []).append(row)
         plans, deciding = {}, {}
         for tag, (key, members) in enumerate(cohorts.items(), 1):
             if len(members) < 2:
-                members[0].run.pooled, members[0].run.batch = None, 1
+                members[0].pooled, members[0].batch = None, 1
                 continue
             control = self.control.at(key, members)
             n = control.length() if control.speculate_next() else 0
             deciding[tag] = control, members
             for row in members:
-                row.run.pooled, row.run.batch = control, len(members)
+                row.pooled, row.batch = control, len(members)
                 plans[id(row)] = (min(n, row.room - 1), key[1], tag)
         for row in rows:
             plans.setdefault(id(row), _plan(row, batched) + (0,))
@@ -274,12 +245,12 @@ class Batch:
         else:
             t0, picks, parts = ahead.since, ahead.picks, ahead.parts
         for row, token, part in zip(rows, last, parts):
-            row.run.session.ahead = None
-            row.run.session.feed([token], part.taps)
+            row.session.ahead = None
+            row.session.feed([token], part.taps)
         on = [(row, part) for row, part in zip(rows, parts)
-              if builds_ahead(row.run, row.room, row.run.pooled)]
+              if builds_ahead(row, row.room, row.pooled)]
         built = _build(on, taps) if len(on) >= 2 and all(
-            row.run.constraint.lookahead for row in rows) else None
+            row.constraint.lookahead for row in rows) else None
         read = picks.tolist()
         t_read = time.perf_counter()
         seconds = t_read - t0
@@ -287,7 +258,7 @@ class Batch:
             built.since = t_read
             self.ahead.append(built)
         for row, token, part in zip(rows, read, parts):
-            self._emit(row, lambda: _serial_read(row.run, token, part.row, seconds), step=True)
+            self._emit(row, lambda: _serial_read(row, token, part.row, seconds), step=True)
         if control is not None:
             control.observe_serial(seconds)
 
@@ -298,18 +269,18 @@ class Batch:
         if control is not None:
             _catch_up(rows, n, control)
         t0 = time.perf_counter()
-        steps = [round_steps(row.run, row.tokens[-1], n) for row in rows]
+        steps = [round_steps(row, row.tokens[-1], n) for row in rows]
         drafts = [next(s) for s in steps]
         blocks = mx.stack([mx.concatenate([mx.array([row.tokens[-1]], dtype=mx.int32),
                                            d.astype(mx.int32)]) for row, d in zip(rows, drafts)])
-        target = rows[0].run.session.target
-        logits, tapped = target.step_rows(blocks, [row.run.session.cache for row in rows], taps,
+        target = rows[0].session.target
+        logits, tapped = target.step_rows(blocks, [row.session.cache for row in rows], taps,
                                           verify=True)
         verdicts = [s.send((logits[i], tapped[i])) for i, s in enumerate(steps)]
         for row, s, read in zip(rows, steps, mx.stack(verdicts).tolist()):
             self._emit(row, lambda: s.send(read), step=True)
         if control is not None:
-            control.rows = [row.run.control.alpha() for row in rows]   # after the verdicts
+            control.rows = [row.control.alpha() for row in rows]   # after the verdicts
             control.observe_round(time.perf_counter() - t0, n, 0, 0)
 
     def _emit(self, row: Row, out, step: bool = False):
@@ -322,25 +293,24 @@ class Batch:
         prefilled), as alone."""
         row.tokens, row.seen = [], []
         _take_written(row)
-        if row.run is None:
+        if row.request is None:
             return                      # its reply was written whole
         try:
             tokens = out()
             if step:
-                row.run.note_mode()
-            row.room = self._out(row, _emit(row.run, tokens))
-            if row.done and row.plan is not None and row.stats.finish_reason is None:
-                undo_ahead(row.run.session)
-                going = self._close(row, row.run.stats)
+                row.note_mode()
+            row.room = self._out(row, _emit(row, tokens))
+            if row.done and row.plan is not None and row.reply.finish_reason is None:
+                undo_ahead(row.session)
+                going = self._close(row, row.stats)
                 _take_written(row)
                 if going:
-                    row.run.call.progress = None    # the prefill's callback was the join's
-                    row.room = self._out(row, _emit(row.run, [_first(row.run)]))
+                    row.progress = None    # the prefill's callback was the join's
+                    row.room = self._out(row, _emit(row, [_first(row)]))
         except (NonFiniteLogits, StaleGenerator, RequestError) as e:   # RequestError: a
             row.room, row.error = None, e                # grammar past llguidance's limits
-        run = row.run
-        if row.done and run.session.generation == run.call.generation:
-            undo_ahead(run.session)     # it ended (a stop token is emitted, never fed)
+        if row.done and row.session.generation == row.generation:
+            undo_ahead(row.session)     # it ended (a stop token is emitted, never fed)
 
     def _out(self, row: Row, emit) -> int | None:
         """The tokens of ``emit`` (loop._emit over one step) added to the row's, each with
@@ -349,9 +319,9 @@ class Batch:
             while True:
                 token = next(emit)
                 if row.plan is not None:
-                    row.plan.took(token, row.run.stats)
+                    row.plan.took(token, row.stats)
                 row.tokens.append(token)
-                row.seen.append(row.stats.snapshot())
+                row.seen.append(row.reply.snapshot())
         except StopIteration as end:
             return end.value
 
@@ -383,14 +353,14 @@ def _forward(rows: list[Row], tokens: mx.array, before: list, taps):
     """One batched serial step, lazy: row ``i`` fed ``tokens[i]`` (``before[i]``: the same
     token, an int or the last step's lazy pick) picks its next token. Returns the picks
     stacked and each row's part (its pick, taps, logits row and the cache mark before it)."""
-    marks = [row.run.session.cache.mark() for row in rows]
-    logits, tapped = rows[0].run.session.target.step_rows(
-        tokens[:, None], [row.run.session.cache for row in rows], taps)
+    marks = [row.session.cache.mark() for row in rows]
+    logits, tapped = rows[0].session.target.step_rows(
+        tokens[:, None], [row.session.cache for row in rows], taps)
     parts = []
     for i, (row, token, mark) in enumerate(zip(rows, before, marks)):
-        run, logit = row.run, logits[i, -1:]
-        chosen = pick(run, logit, len(run.session.tokens) + 1, run.before(token),
-                      run.constraint.allowed(logit))
+        logit = logits[i, -1:]
+        chosen = pick(row, logit, len(row.session.tokens) + 1, row.before(token),
+                      row.constraint.allowed(logit))
         parts.append(RowAhead(chosen, None if tapped is None else tapped[i], logit, mark))
     return mx.stack([part.token for part in parts]), parts
 
@@ -401,7 +371,7 @@ def _build(on: list[tuple[Row, RowAhead]], taps) -> Ahead:
     rows, tokens = [row for row, _ in on], [part.token for _, part in on]
     picks, parts = _forward(rows, mx.stack(tokens), tokens, taps)
     for row, part in zip(rows, parts):
-        row.run.session.ahead = part
+        row.session.ahead = part
     mx.async_eval(picks)
     return Ahead(rows, taps, picks, parts)
 
@@ -411,11 +381,10 @@ def _plan(row: Row, batched: set[int]) -> tuple[int, tuple]:
     (0: a serial step), and the target layers it taps. A serial step built ahead alone is
     taken, as the loop takes it (it was built on the controller's word that a serial step
     follows); a row's part of a batched one (its id in ``batched``) is not a decision."""
-    run = row.run
-    alone = run.session.ahead is not None and id(run.session.ahead) not in batched
-    speculate = not alone and _speculate(run, row.room)
-    n = min(run.control.length(), row.room - 1) if speculate else 0
-    return n, tuple(run.session.tap_layers or ()) if run.tap else ()
+    alone = row.session.ahead is not None and id(row.session.ahead) not in batched
+    speculate = not alone and _speculate(row, row.room)
+    n = min(row.control.length(), row.room - 1) if speculate else 0
+    return n, tuple(row.session.tap_layers or ()) if row.tap else ()
 
 
 def _catch_up(rows: list[Row], n: int, control: SizeControl):
@@ -423,23 +392,23 @@ def _catch_up(rows: list[Row], n: int, control: SizeControl):
     round is timed, as loop._catch_up does for one row (after it, the round's own finds
     none): a long catch-up is evaluated here and priced per token and batched serial step."""
     t0 = time.perf_counter()
-    caught_up = [row.run.session.flush() for row in rows]
+    caught_up = [row.session.flush() for row in rows]
     if max(caught_up) > n + 1:
-        mx.eval([row.run.session.draft_cache.arrays() for row in rows])
+        mx.eval([row.session.draft_cache.arrays() for row in rows])
         control.observe_catchup(time.perf_counter() - t0, max(caught_up))
 
 
-def _serial_read(run: Run, token: int, logits: mx.array, seconds: float) -> list[int]:
+def _serial_read(row: Row, token: int, logits: mx.array, seconds: float) -> list[int]:
     """A serial step's token once read, counted as loop._serial counts it (a cohort's step:
     its time is its batch's, the row's own controller ages its evidence alone)."""
-    token = finite(token, run.session)
-    run.score(logits, [token])
-    run.stats.t_serial += seconds
-    run.stats.serial_steps += 1
-    if run.pooled is None:
-        run.control.observe_serial(seconds)
+    token = finite(token, row.session)
+    row.score(logits, [token])
+    row.stats.t_serial += seconds
+    row.stats.serial_steps += 1
+    if row.pooled is None:
+        row.control.observe_serial(seconds)
     else:
-        run.control.observe_token()
+        row.control.observe_token()
     return [token]
 
 
@@ -475,7 +444,7 @@ def _one(batch: Batch, joining, shown: Stats) -> Iterator[int]:
                 vars(shown).update(vars(seen))
                 yield token
                 if not (row.done and i == len(row.tokens) - 1):
-                    row.run.call.still_current()    # the loop's check after each token
+                    row.still_current()    # the loop's check after each token
             if row.error is not None:
                 raise row.error
             if row.done:
@@ -484,9 +453,8 @@ def _one(batch: Batch, joining, shown: Stats) -> Iterator[int]:
     finally:
         if row in batch.rows:           # closed early (a stop string): out, as if never in
             batch.rows.remove(row)
-            call = row.run.call
-            if call.session.generation == call.generation:
-                undo_ahead(call.session)
+            if row.session.generation == row.generation:
+                undo_ahead(row.session)
 
 
 def decode_batch(sessions: list[Session], requests: list[Request],

@@ -11,11 +11,11 @@ turn extends the session. ``stats`` shows the stretches as one generation (the p
 request's; tokens, rounds and times add up). The constraint follows the whole reply, the
 closing ids included.
 
-A :class:`Plan` keeps a budgeted reply as its stretches go; a batch's row (batch.py, which
-``decode`` runs as a batch of one) starts each stretch as a run of the loop's steps on the
-call's session (``call``, run.Call: its constraint, and ``still_current()``, which refuses a
-call whose session was taken over), so a budgeted row decodes beside the others exactly as
-alone. The last stretch's prompt ends with the closing ids (``Run.forced``), which its prefill
+A :class:`Plan` keeps a budgeted reply as its stretches go; its row (run.Row, in the batch
+that ``decode`` runs as a batch of one) begins each stretch on its session (its constraint,
+and ``still_current()``, which refuses a row whose session was taken over), so a budgeted row
+decodes beside the others exactly as alone. The last stretch's prompt ends with the closing
+ids (``Row.forced``), which its prefill
 scores when logprobs are asked: the reply's log-probabilities are the stretches' own, none is
 scored again."""
 
@@ -29,7 +29,7 @@ import mlx.core as mx
 from ..request import Request
 from ..stats import Stats
 from .prefill import prefill_steps, reuse, to_the_end
-from .run import Call, read_scores
+from .run import Row, read_scores
 from ..logits.sampling import log_probs
 
 
@@ -46,8 +46,8 @@ class Plan:
     :meth:`closed` and, unless that ended the reply, :meth:`advance`), then :meth:`rest`
     (the last stretch's request, its tokens to :meth:`took`)."""
 
-    def __init__(self, request: Request, stats: Stats, call: Call):
-        self.request, self.stats, self.call = request, stats, call
+    def __init__(self, request: Request, stats: Stats, row: Row):
+        self.request, self.stats, self.row = request, stats, row
         self.parts: list[Stats] = []
         self.reply: list[int] = []
         self.resting = False            # the last stretch runs
@@ -76,7 +76,7 @@ class Plan:
         to emit next, the template's end of thinking unless the model closed it itself."""
         if part is not None:
             self.parts.append(part)
-            self.call.constraint.advance(self.reply[-1])    # a stretch's last token is not
+            self.row.constraint.advance(self.reply[-1])    # a stretch's last token is not
         if _contains(self.reply, self.request.thinking.close):      # consumed by it
             return []
         return list(self.request.thinking.end)
@@ -92,8 +92,8 @@ class Plan:
 
     def advance(self, token: int):
         """A closing id that did not end the reply: the constraint follows it."""
-        self.call.constraint.advance(token)
-        self.call.still_current()
+        self.row.constraint.advance(token)
+        self.row.still_current()
 
     def rest(self) -> Request:
         """The last stretch: its prompt the request's, the reply so far and the closing ids."""
@@ -110,7 +110,7 @@ class Plan:
         """Tokens the reply may still take (max_tokens, and the context beyond the prompt
         the next stretch will have)."""
         left = self.request.max_tokens - len(self.reply)
-        limit = self.call.session.target.context_limit
+        limit = self.row.session.target.context_limit
         if limit is not None:
             left = min(left, limit - len(self.request.prompt) - len(self.reply) - 1)
         return left
@@ -138,7 +138,7 @@ class Plan:
     def _score_written(self) -> list[tuple]:
         """The closing ids that end the reply, scored by the forward the next stretch would
         have begun with: its prefill of them on the row's own session."""
-        session, written = self.call.session, len(self.reply) - sum(p.generated for p in self.parts)
+        session, written = self.row.session, len(self.reply) - sum(p.generated for p in self.parts)
         prompt = list(self.request.prompt) + self.reply
         reuse(session, prompt, written)
         rows = to_the_end(prefill_steps(session, prompt, session.drafter is not None,

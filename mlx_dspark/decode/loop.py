@@ -33,7 +33,7 @@ from ..logits import sampling
 from ..logits.draw import Draw
 from ..logits.sampling import constrain
 from .prefill import prefill, prefill_steps, reuse, to_the_end  # noqa: F401 (prefill: public)
-from .run import Run, StaleGenerator, finite  # noqa: F401 (StaleGenerator: public)
+from .run import Row, StaleGenerator, finite  # noqa: F401 (StaleGenerator: public)
 from .session import Session
 
 
@@ -41,37 +41,37 @@ from .session import Session
 # The steps
 
 
-def pick(run: Run, logits: mx.array, position: int, before, allowed=None) -> mx.array:
+def pick(row: Row, logits: mx.array, position: int, before, allowed=None) -> mx.array:
     """Choose the token at ``position`` from one row of target logits (lazy, shape []), after
     the tokens ``before`` (the processors'), among the ``allowed`` ones under a grammar; -1
     when the logits are not finite, a lower code when a request's field left them unusable
     (see :func:`finite`)."""
-    z, code = run.processors.checked(before, logits)
-    token = run.sampler.choose(constrain(z, allowed),
-                               run.noise.at(position, 1, logits.shape[-1]))[0]
+    z, code = row.processors.checked(before, logits)
+    token = row.sampler.choose(constrain(z, allowed),
+                               row.noise.at(position, 1, logits.shape[-1]))[0]
     token = mx.where(code[0] == 0, token.astype(mx.int32), code[0])
     return mx.where(mx.isfinite(logits).all(), token, -1)
 
 
-def serial_step(run: Run, token):
+def serial_step(row: Row, token):
     """Feed one token (an int, or the previous step's lazy token), choose the next. Returns
     the lazy next token, the taps and the row it was chosen from; the caller feeds the token
     once it has read it."""
-    session = run.session
+    session = row.session
     logits, taps = session.target.step(mx.array(token, dtype=mx.int32).reshape(1, 1),
                                        session.cache,
-                                       tap_layers=session.tap_layers if run.tap else None)
-    row = logits[0, -1:]
-    return pick(run, row, len(session.tokens) + 1, run.before(token),
-                run.constraint.allowed(row)), taps, row
+                                       tap_layers=session.tap_layers if row.tap else None)
+    z = logits[0, -1:]
+    return pick(row, z, len(session.tokens) + 1, row.before(token),
+                row.constraint.allowed(z)), taps, z
 
 
-def draft(run: Run, bonus: int, n: int, noise: mx.array | None):
+def draft(row: Row, bonus: int, n: int, noise: mx.array | None):
     """The drafter proposes d1..dn after the bonus with ``noise`` [n, V], drawn as the target
     draws (one :class:`Draw`: the sampling, a grammar's masks, the processors with the
     history); lazy tokens and logits."""
-    draw = Draw(run.sampler, noise, run.constraint.drafting, run.processors, run.before(bonus))
-    return run.session.drafter.propose(bonus, n, draw, cache=run.session.draft_cache)
+    draw = Draw(row.sampler, noise, row.constraint.drafting, row.processors, row.before(bonus))
+    return row.session.drafter.propose(bonus, n, draw, cache=row.session.draft_cache)
 
 
 def verify(session: Session, bonus: int, drafts: mx.array):
@@ -124,11 +124,11 @@ class Ahead:
     since: float = 0.0
 
 
-def build_ahead(run: Run, token: mx.array):
+def build_ahead(row: Row, token: mx.array):
     """Build and queue the serial step that feeds ``token`` (lazy), before it is read."""
-    mark = run.session.cache.mark()
-    run.session.ahead = Ahead(*serial_step(run, token), mark)
-    mx.async_eval(run.session.ahead.token)
+    mark = row.session.cache.mark()
+    row.session.ahead = Ahead(*serial_step(row, token), mark)
+    mx.async_eval(row.session.ahead.token)
 
 
 def undo_ahead(session: Session):
@@ -142,132 +142,132 @@ def undo_ahead(session: Session):
 # The loop
 
 
-def _first(run: Run) -> int:
+def _first(row: Row) -> int:
     """Prefill the prompt and choose the first token (the first bonus)."""
-    return to_the_end(first_steps(run))
+    return to_the_end(first_steps(row))
 
 
-def first_steps(run: Run):
+def first_steps(row: Row):
     """:func:`_first` in steps (a generator): it yields after each piece of the prefill but
     the last (prefill.prefill_steps), and returns the first token."""
-    session, stats, prompt = run.session, run.stats, list(run.request.prompt)
+    session, stats, prompt = row.session, row.stats, list(row.request.prompt)
     t0 = time.perf_counter()
-    forced = run.forced if run.scores is not None else 0
+    forced = row.forced if row.scores is not None else 0
     stats.reused_tokens = reuse(session, prompt, forced)
     stats.generated = 0
-    rows = yield from prefill_steps(session, prompt, tap=run.tap, progress=run.call.progress,
+    rows = yield from prefill_steps(session, prompt, tap=row.tap, progress=row.progress,
                                     scored=forced)
     last = rows[-1:] if forced else rows[None]
-    token = pick(run, last, len(prompt), run.before(), run.constraint.allowed(last))
+    token = pick(row, last, len(prompt), row.before(), row.constraint.allowed(last))
     token = finite(token.item(), session)
     stats.t_prefill = time.perf_counter() - t0
     if forced:
-        run.score(rows[:-1], prompt[-forced:])
-    run.score(last, [token])
+        row.score(rows[:-1], prompt[-forced:])
+    row.score(last, [token])
     return token
 
 
-def _emit(run: Run, out: list[int]):
+def _emit(row: Row, out: list[int]):
     """Yield the tokens of one step; return the tokens still allowed after them, or None
-    when the last one ends the run. Only the last token can end it (a round stops at its
+    when the last one ends the row. Only the last token can end it (a round stops at its
     first stop token); its finish reason is set before it is yielded, so a consumer can mark
     the last token's chunk as the final one."""
-    session, stats = run.session, run.stats
+    session, stats = row.session, row.stats
     for token in out[:-1]:
         stats.generated += 1
         yield token
-        run.call.still_current()
+        row.still_current()
     token = out[-1]
     stats.generated += 1
-    room = asked = run.request.max_tokens - stats.generated
+    room = asked = row.request.max_tokens - stats.generated
     if session.target.context_limit is not None:
         room = min(room, session.target.context_limit - len(session.tokens) - 1)
-    if token in run.request.stop_tokens:
+    if token in row.request.stop_tokens:
         stats.finish_reason = "stop"
     elif room <= 0:
         stats.finish_reason, stats.finish_detail = "length", \
             "max_tokens" if asked <= 0 else "context"
-    if stats.finish_reason is not None and run.scores is not None:
-        stats.logprobs = run.scored()
+    if stats.finish_reason is not None and row.scores is not None:
+        stats.logprobs = row.scored()
     yield token
     if stats.finish_reason is not None:
         return None
-    run.constraint.advance(token)
-    run.call.still_current()
+    row.constraint.advance(token)
+    row.still_current()
     return room
 
 
-def _speculate(run: Run, room: int, control=None) -> bool:
+def _speculate(row: Row, room: int, control=None) -> bool:
     """Whether the next step (with ``room`` tokens left to generate) is a speculative round,
     by ``control`` (the controller deciding for the run: its own unless a batch's)."""
-    control = run.control if control is None else control
-    return run.use_drafter and room >= 2 and control.speculate_next()
+    control = row.control if control is None else control
+    return row.use_drafter and room >= 2 and control.speculate_next()
 
 
-def builds_ahead(run: Run, room: int, control=None) -> bool:
+def builds_ahead(row: Row, room: int, control=None) -> bool:
     """Whether a serial step with ``room`` tokens left builds the step after it ahead: that
     one is a serial step too (by ``control``, as :func:`_speculate`), within a serial stretch
     (while speculating, a serial step is a single cost refresh), and the constraint masks it
     without this step's token read."""
-    control = run.control if control is None else control
-    return room >= 2 and run.constraint.lookahead \
-        and not (run.use_drafter and control.speculating) \
-        and not _speculate(run, room - 1, control)
+    control = row.control if control is None else control
+    return room >= 2 and row.constraint.lookahead \
+        and not (row.use_drafter and control.speculating) \
+        and not _speculate(row, room - 1, control)
 
 
-def _serial(run: Run, token: int, room: int) -> int:
+def _serial(row: Row, token: int, room: int) -> int:
     """Feed ``token`` and read the one after it. Within a serial stretch the step after this
     one is built and queued before this one's token is read (the step ahead); while
     speculating, a serial step is a single cost refresh, decided after it is observed."""
-    session = run.session
+    session = row.session
     ahead, session.ahead = session.ahead, None
     if ahead is None:
         t0 = time.perf_counter()
-        nxt, taps, row = serial_step(run, token)
+        nxt, taps, z = serial_step(row, token)
         mx.async_eval(nxt)
     else:
-        t0, nxt, taps, row = ahead.since, ahead.token, ahead.taps, ahead.row
+        t0, nxt, taps, z = ahead.since, ahead.token, ahead.taps, ahead.row
     session.feed([token], taps)
-    if builds_ahead(run, room):
-        build_ahead(run, nxt)
+    if builds_ahead(row, room):
+        build_ahead(row, nxt)
     nxt = finite(nxt.item(), session)     # (not finite: the session, step ahead and all, is reset)
     t_read = time.perf_counter()
     if session.ahead is not None:
         session.ahead.since = t_read
-        if nxt in run.request.stop_tokens:
+        if nxt in row.request.stop_tokens:
             undo_ahead(session)
-    run.score(row, [nxt])
-    run.stats.t_serial += t_read - t0
-    run.stats.serial_steps += 1
-    run.control.observe_serial(t_read - t0)
+    row.score(z, [nxt])
+    row.stats.t_serial += t_read - t0
+    row.stats.serial_steps += 1
+    row.control.observe_serial(t_read - t0)
     return nxt
 
 
-def _round(run: Run, bonus: int, n: int) -> list[int]:
+def _round(row: Row, bonus: int, n: int) -> list[int]:
     """One speculative round; returns the tokens it emits (accepted drafts + next token)."""
-    steps = round_steps(run, bonus, n)
-    verdict = steps.send(verify(run.session, bonus, next(steps)))
+    steps = round_steps(row, bonus, n)
+    verdict = steps.send(verify(row.session, bonus, next(steps)))
     return steps.send(verdict.tolist())
 
 
-def round_steps(run: Run, bonus: int, n: int):
+def round_steps(row: Row, bonus: int, n: int):
     """A round as one lazy graph read back once, in steps (a generator): it yields the drafts
     and is sent the verify pass over them, yields its verdict and is sent it read, then yields
     the tokens it emits. A batch (batch.py) verifies and reads many rows' rounds at once."""
-    session, sampler, noise = run.session, run.sampler, run.noise
+    session, sampler, noise = row.session, row.sampler, row.noise
     t_start = time.perf_counter()
-    _catch_up(run, n, t_start)
+    _catch_up(row, n, t_start)
     t0 = time.perf_counter()
-    probe = run.probing()
+    probe = row.probing()
     # Bonus at position P: the drafts and the token after them sit at P+1..P+n+1.
     g = noise.at(len(session.tokens) + 1, n + 1, session.target.config.vocab_size)
-    drafts, draft_logits = draft(run, bonus, n, None if g is None else g[:n])
+    drafts, draft_logits = draft(row, bonus, n, None if g is None else g[:n])
     t1 = time.perf_counter()
     target_logits, taps = yield drafts
-    verified, codes = run.verified(target_logits, bonus, drafts)
+    verified, codes = row.verified(target_logits, bonus, drafts)
     a, nxt = accept(drafts, draft_logits, verified, sampler, g,
                     None if sampler.coupled else noise.next_key(),
-                    run.constraint.allowed(target_logits, drafts))
+                    row.constraint.allowed(target_logits, drafts))
     # the first unusable row among those serial decoding reads (up to the one after the
     # accepted drafts) ends the run, as it would have there
     broken = ((codes != 0) & (mx.arange(codes.shape[0]) <= a)).astype(mx.int32)
@@ -277,25 +277,25 @@ def round_steps(run: Run, bonus: int, n: int):
     finite(read[1], session)
     a, out = read[0], read[2:2 + read[0]] + [read[1]]
     t2 = time.perf_counter()
-    out = _through_stop(out, run.request.stop_tokens)
-    run.score(target_logits[:len(out)], out)     # the verify rows the tokens were chosen from
-    run.constraint.settle(len(out) - 1)   # the accepted drafts stay; the rest roll back
+    out = _through_stop(out, row.request.stop_tokens)
+    row.score(target_logits[:len(out)], out)     # the verify rows the tokens were chosen from
+    row.constraint.settle(len(out) - 1)   # the accepted drafts stay; the rest roll back
     t3 = time.perf_counter()
     commit(session, bonus, read[2:], taps, keep=len(out))
     t4 = time.perf_counter()
-    run.count_round(n, a, (t_start, t0, t1, t2, t3, t4))
-    run.stats.probe_rounds += probe
+    row.count_round(n, a, (t_start, t0, t1, t2, t3, t4))
+    row.stats.probe_rounds += probe
     yield out
 
 
-def _catch_up(run: Run, n: int, t_start: float):
+def _catch_up(row: Row, n: int, t_start: float):
     """The drafter takes the taps of the tokens it has not seen (the prompt, serial steps).
     A long catch-up is work per token, not per round: computed here, before the round's
     clock starts, so the controller prices rounds without it."""
-    caught_up = run.session.flush()
+    caught_up = row.session.flush()
     if caught_up > n + 1:
-        mx.eval(run.session.draft_cache.arrays())
-        run.control.observe_catchup(time.perf_counter() - t_start, caught_up)
+        mx.eval(row.session.draft_cache.arrays())
+        row.control.observe_catchup(time.perf_counter() - t_start, caught_up)
 
 
 def _through_stop(out: list[int], stops) -> list[int]:

@@ -1,12 +1,12 @@
-"""What the loop's steps read and count: one decode call (:class:`Call`), its stretches
-(:class:`Run`: one request from its prompt; a thinking budget runs several on one call), the
-checks a request meets before its call starts, the check of each token read (:func:`finite`)
-and the controller it runs under."""
+"""What the loop's steps read and count: one request decoding (:class:`Row`: its session,
+constraint and processors, the stretch that decodes, what its last step emitted), the checks a
+request meets before it starts, the check of each token read (:func:`finite`) and the
+controller it runs under."""
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -112,60 +112,65 @@ class StaleGenerator(RuntimeError):
     """A generator resumed after another call changed its session."""
 
 
-@dataclass
-class Call:
-    """One decode call: its session, the constraint its output follows and the logits
-    processors its rows go through (both across the stretches of a thinking budget: the
-    penalties count the reply from the call's own prompt on), the session generation it
-    owns and its prefill's progress callback (loop.prefill)."""
+@dataclass(eq=False)
+class Row:
+    """One request decoding: a row of the batch (batch.py), which ``decode`` runs as a batch
+    of one. Across the whole reply it keeps its session, the constraint its output follows,
+    the logits processors (the penalties count the reply from the request's own prompt on),
+    the session generation it owns, its prefill's progress callback (loop.prefill) and, under
+    a thinking budget, its ``plan`` (budget.Plan). A reply decodes as one stretch, or as a
+    thinking budget's stretches one after another: :meth:`begin` starts each (its request,
+    its stats, its sampler, noise and controller). After each step, the tokens the step
+    emitted, the stats as they stood as each was handed out (a consumer that streams the row
+    sees what it would see alone), the room left (None once it has ended) and why it ended
+    early (``error``: the exception it raised), and the closing ids a budget ``written``
+    between two steps, emitted with the next one."""
 
     session: Session
     constraint: Unconstrained | Grammatical
     processors: Processors
-    generation: int = 0
     progress: Callable[[int, int, float], None] | None = None
+    generation: int = 0
+    plan: object = None                 # budget.Plan
+    # the stretch that decodes (None: a reply written whole before it decoded, a budget of 0
+    # with no room after the closing ids)
+    request: Request | None = None
+    stats: Stats | None = None
+    sampler: Sampler | None = None
+    noise: Noise | None = None
+    control: Controller | None = None
+    switches_before: int = 0
+    tap: bool = False          # the session has a drafter: it keeps its context whole
+    use_drafter: bool = False  # ... and this request may speculate
+    scores: list | None = None   # per emitted token, lazy (Request.logprobs), else None
+    # the batch's controller deciding for this row (batch_control.py: its rounds' and serial
+    # steps' costs are the batch's, its own controller learns acceptance alone), else None
+    pooled: Controller | None = None
+    batch: int = 1                # the live batch size that decided the row's latest step
+    pooled_switches: int = 0      # mode switches the batch's decisions made for this stretch
+    # the prompt's last tokens that belong to the reply, written, not chosen (a thinking
+    # budget's closing ids): scored from the prefill's rows, with the reply's
+    forced: int = 0
+    tokens: list[int] = field(default_factory=list)
+    seen: list[Stats] = field(default_factory=list)
+    room: int | None = None
+    error: Exception | None = None
+    written: list[tuple[int, Stats]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.room is None
+
+    @property
+    def reply(self) -> Stats:
+        """The stats of the whole reply (a thinking budget's stretches shown as one)."""
+        return self.plan.stats if self.plan is not None else self.stats
 
     def still_current(self):
         if self.session.generation != self.generation:
             raise StaleGenerator("this generation's session was used by another call since "
                                  "(a newer decode or a restore); its state is no longer this "
                                  "generation's: start a new one")
-
-
-@dataclass
-class Run:
-    """One stretch of decoding: its call, its request and what its steps count into."""
-
-    call: Call
-    request: Request
-    stats: Stats
-    sampler: Sampler
-    noise: Noise
-    control: Controller
-    switches_before: int
-    tap: bool              # the session has a drafter: it keeps its context whole
-    use_drafter: bool      # ... and this request may speculate
-    scores: list | None = None   # per emitted token, lazy (Request.logprobs), else None
-    # the batch's controller deciding for this row (batch_control.py: its rounds' and serial
-    # steps' costs are the batch's, its own controller learns acceptance alone), else None
-    pooled: Controller | None = None
-    batch: int = 1                # the live batch size that decided the row's latest step
-    pooled_switches: int = 0      # mode switches the batch's decisions made for this row
-    # the prompt's last tokens that belong to the reply, written, not chosen (a thinking
-    # budget's closing ids): scored from the prefill's rows, with the reply's
-    forced: int = 0
-
-    @property
-    def session(self) -> Session:
-        return self.call.session
-
-    @property
-    def constraint(self) -> Unconstrained | Grammatical:
-        return self.call.constraint
-
-    @property
-    def processors(self) -> Processors:
-        return self.call.processors
 
     def before(self, *more) -> mx.array | None:
         """The tokens before a row: the session's, then ``more`` (None without processors)."""
@@ -179,26 +184,29 @@ class Run:
             if self.processors else None
         return self.processors.checked(self.before(), logits, ahead)
 
-    @classmethod
-    def start(cls, call: Call, request: Request, stats: Stats, forced: int = 0) -> "Run":
-        sampler = Sampler.of(request)
+    def begin(self, request: Request, stats: Stats, forced: int = 0) -> "Row":
+        """Start a stretch: ``request`` decoded from its prompt, counted into ``stats``."""
+        sampler = request.warping
         stats.requested = request.speculative
-        control = controller(call.session, request)
+        control = controller(self.session, request)
         stats.tested_by_position = [0] * control.num_draft
         stats.accepted_by_position = [0] * control.num_draft
         stats.prompt_tokens = len(request.prompt)
-        tap = call.session.drafter is not None
         noise = Noise(sampler, request.seed)
         if sampler.custom is not None:
             stats.sampling = "sampler"          # the user's: it draws with its own state
         elif not sampler.greedy:
             stats.sampling, stats.seed = sampler.scheme, noise.seed
-        run = cls(call, request, stats, sampler, noise, control, control.switches, tap,
-                  tap and request.speculative != "off",
-                  [] if request.logprobs is not None else None, forced=forced)
-        if run.scores is not None:
-            stats.scoring = weakref.WeakMethod(run.scored)
-        return run
+        self.request, self.stats, self.sampler, self.noise, self.control = \
+            request, stats, sampler, noise, control
+        self.switches_before, self.forced = control.switches, forced
+        self.tap = self.session.drafter is not None
+        self.use_drafter = self.tap and request.speculative != "off"
+        self.scores = [] if request.logprobs is not None else None
+        self.pooled, self.batch, self.pooled_switches = None, 1, 0
+        if self.scores is not None:
+            stats.scoring = weakref.WeakMethod(self.scored)
+        return self
 
     def score(self, rows: mx.array, tokens):
         """Score the tokens emitted from the target's ``rows`` (the rows they were chosen

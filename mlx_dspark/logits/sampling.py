@@ -22,7 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..request import DEFAULT_SCHEME, Request, check_sampling
+from ..request import DEFAULT_SCHEME, check_sampling
 from .processors import blame
 
 
@@ -49,12 +49,6 @@ class Sampler:
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.top_k, self.scheme, self.min_p,
                        self.min_tokens_to_keep)
-
-    @classmethod
-    def of(cls, request: Request) -> "Sampler":
-        return cls(request.temperature, request.top_p, request.top_k, request.sampling,
-                   request.vocab_limit, request.min_p, request.min_tokens_to_keep,
-                   request.sampler)
 
     @property
     def greedy(self) -> bool:

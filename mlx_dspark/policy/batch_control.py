@@ -62,13 +62,13 @@ class SizeControl(Controller):
         return best_rate([self.tokens(n) for n in lengths], self.curve.costs())
 
 
-def cohort(run) -> tuple | None:
+def cohort(row) -> tuple | None:
     """The rows a batch decides for together: those "auto" decides for, with a drafter, by
     their draft length (a number, or "auto") and the layers they tap (so one verify serves
     them); None for a row that follows its own request."""
-    if not run.use_drafter or run.request.speculative != "auto":
+    if not row.use_drafter or row.request.speculative != "auto":
         return None
-    return run.request.num_draft, tuple(run.session.tap_layers or ())
+    return row.request.num_draft, tuple(row.session.tap_layers or ())
 
 
 class BatchControl:
@@ -84,8 +84,8 @@ class BatchControl:
         size = len(rows)
         control = self.sizes.get((key, size))
         if control is None:
-            control = self.sizes[(key, size)] = self.make(rows[0].run.control, size)
-        control.rows = [row.run.control.alpha() for row in rows]
+            control = self.sizes[(key, size)] = self.make(rows[0].control, size)
+        control.rows = [row.control.alpha() for row in rows]
         return control
 
     def make(self, like: Controller, size: int) -> SizeControl:

@@ -16,45 +16,17 @@ snapshot copies a batched row's own state out (TargetCache.snapshot)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .. import device
 from ..decode import pieces
-from ..decode.batch import Batch, Row
+from ..decode.batch import Batch
 from ..decode.session import Session
 from ..stats import Stats
 from ..text.stream import chunks
 from .job import CANCELLED, Job, Left
-
-
-@dataclass(eq=False)
-class Member:
-    """One job in the batch: its session, the stats its chunks show, the tokens waiting to
-    become chunks (with the stats at each), its chunks, its prefill while it joins
-    (``joining``, a generator; None once it decodes) and its row once joined."""
-
-    job: Job
-    session: Session
-    shown: Stats
-    chunks: object = None
-    joining: object = None
-    row: Row | None = None
-    fed: collections.deque = field(default_factory=collections.deque)
-    prefill: dict = field(default_factory=lambda: {"done": 0, "total": 0})
-    tokens: list[int] = field(default_factory=list)   # generated so far (the logprobs')
-
-    def tokens_fed(self):
-        """The token source of its chunks: each token, the shown stats set to what they were
-        as it came. The engine hands out one chunk per token fed (text.stream.chunks makes one per
-        token), so the source never runs dry before the row has ended."""
-        while self.fed:
-            token, seen = self.fed.popleft()
-            vars(self.shown).update(vars(seen))
-            yield token
 
 
 class Rows:
@@ -65,7 +37,7 @@ class Rows:
         self.engine, self.max_batch, self.prefill_budget = engine, max_batch, prefill_budget
         self.credit = 0.0       # prompt tokens the joining rows may prefill now
         self.batch = Batch()
-        self.members: list[Member] = []
+        self.members: list[Job] = []
         self.free: list[Session] = []
         self.steps = 0
         self._wired = contextlib.ExitStack()
@@ -86,21 +58,20 @@ class Rows:
             self._wired.enter_context(device.wired_limit((engine.pair.target,
                                                           engine.pair.drafter)))
         session = self.free.pop() if self.free else engine.new_session()
-        member = Member(job, session, Stats())
-        self.members.append(member)
+        job.session, job.shown = session, Stats()
+        self.members.append(job)
         try:
             if engine.cache is not None:
                 engine.cache.start(session, job.request.prompt, job.boundaries, job.space)
             job.emit("started", len(session.tokens))
-            member.prefill.update(done=len(session.tokens), total=len(job.request.prompt))
+            job.prefill.update(done=len(session.tokens), total=len(job.request.prompt))
             stats = Stats()
-            member.joining = self.batch.join(session, job.request, stats,
-                                             engine.prefilling(job, member.prefill))
-            member.chunks = chunks(engine.pair, job.request, member.tokens_fed(),
-                                       member.shown)
+            job.joining = self.batch.join(session, job.request, stats,
+                                             engine.prefilling(job, job.prefill))
+            job.chunks = chunks(engine.pair, job.request, job.tokens_fed(), job.shown)
         except Exception as e:          # refused (a prompt past the vocabulary...)
             engine.failed(job, e, session)
-            self._leave(member, remember=False)
+            self._leave(job, remember=False)
         self.publish()
 
     def advance(self):
@@ -108,10 +79,10 @@ class Rows:
         (:meth:`_prefill`), and the rows decoding take one step together."""
         engine = self.engine
         with engine.pair.lock, mx.stream(device.generation_stream()):
-            for member in [m for m in self.members if m.job.cancelled.is_set()]:
+            for job in [m for m in self.members if m.cancelled.is_set()]:
                 engine.cancelled += 1
-                member.job.emit("error", CANCELLED)
-                self._leave(member, remember=member.joining is None)
+                job.emit("error", CANCELLED)
+                self._leave(job, remember=job.joining is None)
             self._prefill()
             if self.batch.rows:
                 try:
@@ -120,9 +91,9 @@ class Rows:
                     self._fail_decoding(e)      # suspect, the engine thread lives on
                     stepped = set()
                 self.steps += 1
-                for member in [m for m in self.members if m.row is not None]:
-                    if id(member.row) in stepped or member.row.done:
-                        self._deliver(member)
+                for job in [m for m in self.members if m.row is not None]:
+                    if id(job.row) in stepped or job.row.done:
+                        self._deliver(job)
                 if self.steps % device.CLEAR_EVERY == 0:
                     mx.clear_cache()
         if not any(m.joining is not None for m in self.members):
@@ -141,72 +112,72 @@ class Rows:
             return
         self.credit = self.credit + self.prefill_budget if self.batch.rows else pieces.PIECE
         while joining := [m for m in self.members if m.joining is not None]:
-            member = min(joining, key=_left)
-            if _next_piece(member) > self.credit:
+            job = min(joining, key=_left)
+            if _next_piece(job) > self.credit:
                 return
-            before = member.prefill["done"]
-            self._piece(member)
-            self.credit -= member.prefill["done"] - before
+            before = job.prefill["done"]
+            self._piece(job)
+            self.credit -= job.prefill["done"] - before
 
-    def _piece(self, member: Member):
-        """One piece of ``member``'s prefill; once it has its first token, its row joins."""
+    def _piece(self, job: Job):
+        """One piece of ``job``'s prefill; once it has its first token, its row joins."""
         try:
-            next(member.joining)
+            next(job.joining)
             return
         except StopIteration as joined:
-            member.row, member.joining = joined.value, None
+            job.row, job.joining = joined.value, None
         except Left:                    # cancelled between two pieces: the checkpoints stay
             self.engine.cancelled += 1
-            member.job.emit("error", CANCELLED)
-            self._leave(member, remember=False)
+            job.emit("error", CANCELLED)
+            self._leave(job, remember=False)
             return
         except Exception as e:
-            self.engine.failed(member.job, e, member.session)
-            self._leave(member, remember=False)
+            self.engine.failed(job, e, job.session)
+            self._leave(job, remember=False)
             return
         mx.clear_cache()                # the prefill's buffers (as decode's housekeeping)
-        self._deliver(member)
+        self._deliver(job)
 
     def _fail_decoding(self, e: Exception):
         """A step of the whole batch raised ``e`` (no row's own error): each decoding row
         ends with it, its session reset; the joining rows go on."""
-        for member in [m for m in self.members if m.row is not None]:
-            self.engine.failed(member.job, e, member.session)
-            self._leave(member, remember=False)
+        for job in [m for m in self.members if m.row is not None]:
+            self.engine.failed(job, e, job.session)
+            self._leave(job, remember=False)
 
-    def _deliver(self, member: Member):
-        """Hand out the chunks of the tokens ``member``'s row emitted in its last step; it
+    def _deliver(self, job: Job):
+        """Hand out the chunks of the tokens ``job``'s row emitted in its last step; it
         leaves once it ended (its last chunk, its error) or its client left."""
-        row, engine = member.row, self.engine
+        row, engine = job.row, self.engine
         if row.error is not None:
-            engine.failed(member.job, row.error, member.session)
-            self._leave(member, remember=False)
+            engine.failed(job, row.error, job.session)
+            self._leave(job, remember=False)
             return
-        member.fed.extend(zip(row.tokens, row.seen))
+        job.fed.extend(zip(row.tokens, row.seen))
         for _ in row.tokens:
-            chunk = next(member.chunks)
-            if not engine.hand(member.job, chunk, member.tokens):
-                self._leave(member, remember=True)
+            chunk = next(job.chunks)
+            if not engine.hand(job, chunk, job.tokens):
+                self._leave(job, remember=True)
                 return
             if chunk.finish_reason is not None:
                 engine.served += 1
-                self._leave(member, remember=True)
+                self._leave(job, remember=True)
                 return
 
-    def _leave(self, member: Member, remember: bool):
-        """``member`` is done: out of the batch, its state remembered (the next turn of a
+    def _leave(self, job: Job, remember: bool):
+        """``job`` is done: out of the batch, its state remembered (the next turn of a
         chat; not after a failure), its session back in the pool."""
-        for steps in (member.joining, member.chunks):
+        for steps in (job.joining, job.chunks):
             if steps is not None:
                 steps.close()
-        if member.row is not None and member.row in self.batch.rows:
-            self.batch.remove(member.row)
-        cache, session = self.engine.cache, member.session
+        if job.row is not None and job.row in self.batch.rows:
+            self.batch.remove(job.row)
+        cache, session = self.engine.cache, job.session
         if cache is not None:
             cache.finish(session)
             if remember:
-                cache.remember(session, member.job.space)
-        self.members.remove(member)
+                cache.remember(session, job.space)
+        self.members.remove(job)
         session.reset()                 # its memory freed; the next row restores or starts
         self.free.append(session)
         if not self.members:
@@ -214,24 +185,24 @@ class Rows:
         self.engine.finished()
 
     def close(self):
-        """The engine stops: every member leaves (their handlers were told)."""
-        for member in list(self.members):
-            self._leave(member, remember=False)
+        """The engine stops: every job leaves (their handlers were told)."""
+        for job in list(self.members):
+            self._leave(job, remember=False)
 
     def publish(self):
         """What ``/health`` shows of the batch, replaced whole (read from another thread)."""
-        rows = [{"route": m.job.route, **({"phase": "prefill", **m.prefill}
+        rows = [{"route": m.route, **({"phase": "prefill", **m.prefill}
                                           if m.joining is not None or m.row is None
                                           else {"phase": "decode", "generated": m.shown.generated})}
                 for m in self.members]
         self.engine.batch = {"size": len(rows), "max": self.max_batch, "rows": rows}
 
 
-def _left(member: Member) -> int:
-    """The prompt tokens ``member`` has still to prefill."""
-    return member.prefill["total"] - member.prefill["done"]
+def _left(job: Job) -> int:
+    """The prompt tokens ``job`` has still to prefill."""
+    return job.prefill["total"] - job.prefill["done"]
 
 
-def _next_piece(member: Member) -> int:
-    """The tokens of ``member``'s next piece (at most: a checkpoint may cut it shorter)."""
-    return max(1, min(pieces.size_at(member.prefill["done"]), _left(member)))
+def _next_piece(job: Job) -> int:
+    """The tokens of ``job``'s next piece (at most: a checkpoint may cut it shorter)."""
+    return max(1, min(pieces.size_at(job.prefill["done"]), _left(job)))

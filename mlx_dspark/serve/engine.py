@@ -81,7 +81,7 @@ class Engine:
         one stops at its next token (or its prefill's next piece)."""
         with self._lock:
             jobs = [*self._waiting,
-                    *(m.job for m in (list(self.rows.members) if self.rows else []))]
+                    *(list(self.rows.members) if self.rows else [])]
             self._active -= len(self._waiting)
             self._waiting.clear()
         for job in jobs:
