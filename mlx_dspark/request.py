@@ -1,4 +1,4 @@
-"""What one generation asks for, as one value checked once (free of MLX).
+"""What one generation asks for, as one value checked once (this module imports no MLX).
 
 A :class:`Request` is made by the API, the CLI and the server alike, at their edge (keywords,
 flags, an HTTP body), and handed as it is to ``decode(session, request)`` (decode/loop.py);
