@@ -70,6 +70,7 @@ def _status(m: re.Match) -> dict:
 def quit_with_eof(child):
     child.sendeof()
     child.expect(pexpect.EOF)
+    child.wait()        # its exit, however long after EOF (close() kills a slow one)
     child.close()
     assert child.exitstatus == 0 and child.signalstatus is None
 
@@ -145,6 +146,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(pair):
     child.expect(">>> ")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+    child.wait()        # its exit, however long after EOF (close() kills a slow one)
     child.close()
     assert child.exitstatus == 0
 

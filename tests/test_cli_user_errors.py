@@ -93,6 +93,7 @@ def test_ctrl_c_in_generate_ends_the_line_then_notes_it_and_prints_the_stats():
     child.expect(rb"\S{8}")                          # the answer is streaming
     child.sendintr()
     child.expect(pexpect.EOF)
+    child.wait()        # its exit, however long after EOF (close() kills a slow one)
     child.close()
     out = child.before.decode()
     assert child.exitstatus == 130
