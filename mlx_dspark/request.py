@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 MODES = ("auto", "on", "off")
 SCHEMES = ("reproducible", "rejection")
@@ -103,6 +104,55 @@ def check_sampling(temperature, top_p, top_k, sampling: str = DEFAULT_SCHEME,
                                                  f"not {min_tokens_to_keep!r}")
 
 
+@dataclass(frozen=True)
+class Sampler:
+    """A request's sampling values, in the one shape every step reads (``Request.warping``),
+    checked once, when it is made. How tokens are chosen; the same warping applies to target
+    and draft distributions (logits/sampling.py: ``choose``, ``warped``).
+
+    ``scheme`` (``request.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
+    every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
+    but reproduces only in distribution. Both are exact samplers of the warped target;
+    greedy (temperature 0) is the same in both. ``custom``: a user's ``sampler=``
+    (logprobs ``[1, V]`` -> token), which replaces the warping and the noise; drafts are then
+    kept while they equal its token for their row (as the coupled scheme)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    scheme: str = DEFAULT_SCHEME
+    vocab: int | None = None    # ids at or above it are never drawn (Request.vocab_limit)
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    custom: Callable | None = None
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_p, self.top_k, self.scheme, self.min_p,
+                       self.min_tokens_to_keep)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 and self.custom is None
+
+    @property
+    def noisy(self) -> bool:
+        """Whether its draws take Gumbel noise (sampled, and not by a user's sampler)."""
+        return not self.greedy and self.custom is None
+
+    @property
+    def coupled(self) -> bool:
+        """Whether drafts are accepted while they equal the target's own token (greedy,
+        "reproducible", a user's sampler), rather than by rejection sampling."""
+        return not self.noisy or self.scheme == "reproducible"
+
+    @property
+    def settings(self) -> tuple:
+        """The warping as plain values: what a compiled draw is specialised on (and cached
+        by), in ``Draw.of``'s order."""
+        return (self.temperature, self.top_p, self.top_k, self.vocab, self.min_p,
+                self.min_tokens_to_keep)
+
+
 def check_penalties(repetition_penalty, repetition_context_size, presence_penalty,
                     frequency_penalty):
     """Refuse penalties outside their meaning: ``repetition_penalty`` in
@@ -187,8 +237,8 @@ class Request:
     logits_processors: tuple = ()
     sampler: object = None
     after_thinking: bool = False
-    # the sampling values above as the one logits.sampling.Sampler every step reads (made,
-    # and checked, once here)
+    # the sampling values above as the one Sampler every step reads (made, and checked, once
+    # here)
     warping: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -215,7 +265,6 @@ class Request:
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens must be at least 1, not "
                                              f"{self.max_tokens!r}")
-        from .logits.sampling import Sampler      # (the module imports this one)
         object.__setattr__(self, "warping", Sampler(
             self.temperature, self.top_p, self.top_k, self.sampling, self.vocab_limit,
             self.min_p, self.min_tokens_to_keep, self.sampler))

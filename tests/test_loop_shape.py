@@ -10,7 +10,7 @@ import pytest
 from testkit.loop_helpers import sampler_fields
 from mlx_dspark.decode import loop as speculative
 from mlx_dspark.request import Request
-from mlx_dspark.logits.sampling import Noise, Sampler
+from mlx_dspark.logits.sampling import Noise, Sampler, choose
 from mlx_dspark.decode.session import Session
 from mlx_dspark.decode.batch import decode
 from mlx_dspark.stats import Stats
@@ -30,7 +30,7 @@ def unpipelined(target, prompt, n, sampler, seed):
     cache, noise, seq = target.make_cache(), Noise(sampler, seed), list(prompt)
     logits, _ = target.step(mx.array([prompt]), cache)
     for _ in range(n):
-        token = sampler.choose(logits[0, -1:], noise.at(len(seq), 1, V)).item()
+        token = choose(sampler, logits[0, -1:], noise.at(len(seq), 1, V)).item()
         seq.append(token)
         logits, _ = target.step(mx.array([[token]]), cache)
     return seq[len(prompt):]

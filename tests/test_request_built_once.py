@@ -122,10 +122,9 @@ def test_sampling_values_are_checked_once_and_every_step_reads_that_one_sampler(
     Sampler, its draws and its noise read it, nothing builds another from the values."""
     from mlx_dspark import request as request_module
     from mlx_dspark.decode.run import Row
-    from mlx_dspark.logits import sampling
 
     checks, rows, begin = [], [], Row.begin
-    real = sampling.check_sampling
+    real = request_module.check_sampling
 
     def counted(*a, **k):
         checks.append(a)
@@ -135,7 +134,6 @@ def test_sampling_values_are_checked_once_and_every_step_reads_that_one_sampler(
         rows.append(begin(self, request, *a, **k))
         return rows[-1]
 
-    monkeypatch.setattr(sampling, "check_sampling", counted)
     monkeypatch.setattr(request_module, "check_sampling", counted)
     monkeypatch.setattr(Row, "begin", began)
     path, body = ROUTES[route]

@@ -77,7 +77,7 @@ def first_two_tokens(s: Sampler, draws: int, seed: int = 0):
                     drafts.append(int(draft_rng.choice(V, p=q_rows[ctx[-1]])))
                 else:
                     z = mx.array(DRAFT[ctx[-1]][None], dtype=mx.float32)
-                    drafts.append(s.choose(z, g[j:j + 1]).item())
+                    drafts.append(sampling.choose(s, z, g[j:j + 1]).item())
                 ctx.append(drafts[-1])
             a, nxt = accept(mx.array(drafts, dtype=mx.int32),
                             mx.array(DRAFT[ctx[:-1]], dtype=mx.float32),
@@ -163,13 +163,13 @@ def test_coupled_acceptance_matches_its_closed_form():
     assert exact >= (1 - tv) / (1 + tv)                 # Daliri et al.'s lower bound
     m = 20000
     g = Noise(s, 3).at(0, 2 * m, V)
-    target = s.choose(mx.array(np.tile(TARGET[0], (m, 1)), dtype=mx.float32), g[:m])
+    target = sampling.choose(s, mx.array(np.tile(TARGET[0], (m, 1)), dtype=mx.float32), g[:m])
     draft = mx.array(np.tile(DRAFT[0], (m, 1)), dtype=mx.float32)
     sigma = math.sqrt(exact * (1 - exact) / m)
-    shared = (target == s.choose(draft, g[:m])).mean().item()
+    shared = (target == sampling.choose(s, draft, g[:m])).mean().item()
     assert abs(shared - exact) < 4.5 * sigma
     # Unshared noise (the drafter draws at other positions) accepts only sum_i p_i q_i.
-    unshared = (target == s.choose(draft, g[m:])).mean().item()
+    unshared = (target == sampling.choose(s, draft, g[m:])).mean().item()
     assert abs(unshared - float(p @ q)) < 4.5 * sigma
     assert abs(unshared - exact) > 10 * sigma
 

@@ -47,8 +47,8 @@ def pick(row: Row, logits: mx.array, position: int, before, allowed=None) -> mx.
     when the logits are not finite, a lower code when a request's field left them unusable
     (see :func:`finite`)."""
     z, code = row.processors.checked(before, logits)
-    token = row.sampler.choose(constrain(z, allowed),
-                               row.noise.at(position, 1, logits.shape[-1]))[0]
+    token = sampling.choose(row.sampler, constrain(z, allowed),
+                            row.noise.at(position, 1, logits.shape[-1]))[0]
     token = mx.where(code[0] == 0, token.astype(mx.int32), code[0])
     return mx.where(mx.isfinite(logits).all(), token, -1)
 
@@ -93,9 +93,9 @@ def accept(drafts: mx.array, draft_logits: mx.array, target_logits: mx.array,
     masks of the target's rows (the drafter's are masked already)."""
     target_logits = constrain(target_logits, allowed)
     if sampler.coupled:
-        return sampling.accept_coupled(drafts, sampler.choose(target_logits, noise))
-    return sampling.accept_rejection(drafts, sampler.warp(target_logits),
-                                     sampler.warp(draft_logits), key)
+        return sampling.accept_coupled(drafts, sampling.choose(sampler, target_logits, noise))
+    return sampling.accept_rejection(drafts, sampling.warped(sampler, target_logits),
+                                     sampling.warped(sampler, draft_logits), key)
 
 
 def commit(session: Session, bonus: int, drafts: list[int], taps: mx.array, keep: int):

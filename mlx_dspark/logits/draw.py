@@ -15,7 +15,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .processors import Processors
-from .sampling import Sampler, constrain, gumbel_max
+from .sampling import Sampler, choose, constrain, gumbel_max
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Draw:
             z = constrain(z, self.constraint(j, prev))
         s = self.sampler
         if s.custom is not None:     # an id out of range is drafted as 0: the target's own
-            return mx.maximum(s.choose(z, None), 0), z   # row decides, and names the sampler
+            return mx.maximum(choose(s, z, None), 0), z   # row decides, and names the sampler
         g = None if self.noise is None else self.noise[j:j + 1]
         return gumbel_max(z, s.temperature, s.top_p, s.top_k, g, s.vocab, s.min_p,
                           s.min_tokens_to_keep).astype(mx.int32), z

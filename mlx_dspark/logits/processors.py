@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 # The fields a row's unusable logits are blamed on; "sampler": a user's sampler= that
-# returned an id outside the vocabulary (sampling.Sampler.choose).
+# returned an id outside the vocabulary (sampling.choose).
 BLAMED = ("logit_bias", "repetition_penalty", "frequency_penalty", "logits_processors",
           "sampler")
 

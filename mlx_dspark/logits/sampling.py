@@ -17,83 +17,36 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Callable
-
 import mlx.core as mx
 
-from ..request import DEFAULT_SCHEME, check_sampling
+from ..request import Sampler
 from .processors import blame
 
 
-@dataclass(frozen=True)
-class Sampler:
-    """How tokens are chosen; the same warping applies to target and draft distributions.
+def choose(sampler: Sampler, logits: mx.array, noise: mx.array | None) -> mx.array:
+    """The token of each row of ``logits`` given its Gumbel noise (None when greedy). A
+    user's sampler's id outside the vocabulary comes back as the code that blames it
+    (processors.blame; run.finite names it)."""
+    if sampler.custom is not None:
+        logp = mask_vocab(logits.astype(mx.float32), sampler.vocab)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        tokens = mx.concatenate([as_token(sampler.custom(logp[i:i + 1]))
+                                 for i in range(logp.shape[0])]).astype(mx.int64)
+        return mx.where((tokens >= 0) & (tokens < logits.shape[-1]), tokens,
+                        blame("sampler")).astype(mx.int32)
+    return gumbel_max(logits, sampler.temperature, sampler.top_p, sampler.top_k, noise,
+                      sampler.vocab, sampler.min_p, sampler.min_tokens_to_keep)
 
-    ``scheme`` (``request.SCHEMES``): "reproducible" gives, for a seed, the same tokens in
-    every mode (serial, speculative, auto, any num_draft); "rejection" accepts more drafts
-    but reproduces only in distribution. Both are exact samplers of the warped target;
-    greedy (temperature 0) is the same in both. ``custom``: a user's ``sampler=``
-    (logprobs ``[1, V]`` -> token), which replaces the warping and the noise; drafts are then
-    kept while they equal its token for their row (as the coupled scheme)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    scheme: str = DEFAULT_SCHEME
-    vocab: int | None = None    # ids at or above it are never drawn (Request.vocab_limit)
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
-    custom: Callable | None = None
-
-    def __post_init__(self):
-        check_sampling(self.temperature, self.top_p, self.top_k, self.scheme, self.min_p,
-                       self.min_tokens_to_keep)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 and self.custom is None
-
-    @property
-    def noisy(self) -> bool:
-        """Whether its draws take Gumbel noise (sampled, and not by a user's sampler)."""
-        return not self.greedy and self.custom is None
-
-    @property
-    def coupled(self) -> bool:
-        """Whether drafts are accepted while they equal the target's own token (greedy,
-        "reproducible", a user's sampler), rather than by rejection sampling."""
-        return not self.noisy or self.scheme == "reproducible"
-
-    @property
-    def settings(self) -> tuple:
-        """The warping as plain values: what a compiled draw is specialised on (and cached
-        by), in :meth:`Draw.of`'s order."""
-        return (self.temperature, self.top_p, self.top_k, self.vocab, self.min_p,
-                self.min_tokens_to_keep)
-
-    def choose(self, logits: mx.array, noise: mx.array | None) -> mx.array:
-        """The token of each row of ``logits`` given its Gumbel noise (None when greedy). A
-        user's sampler's id outside the vocabulary comes back as the code that blames it
-        (processors.blame; run.finite names it)."""
-        if self.custom is not None:
-            logp = mask_vocab(logits.astype(mx.float32), self.vocab)
-            logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-            tokens = mx.concatenate([as_token(self.custom(logp[i:i + 1]))
-                                     for i in range(logp.shape[0])]).astype(mx.int64)
-            return mx.where((tokens >= 0) & (tokens < logits.shape[-1]), tokens,
-                            blame("sampler")).astype(mx.int32)
-        return gumbel_max(logits, self.temperature, self.top_p, self.top_k, noise, self.vocab,
-                          self.min_p, self.min_tokens_to_keep)
-
-    def warp(self, logits: mx.array) -> mx.array:
-        return warp(logits, self.temperature, self.top_p, self.top_k, self.vocab, self.min_p,
-                    self.min_tokens_to_keep)
+def warped(sampler: Sampler, logits: mx.array) -> mx.array:
+    """The distribution ``sampler`` draws from (:func:`warp` with its values)."""
+    return warp(logits, sampler.temperature, sampler.top_p, sampler.top_k, sampler.vocab,
+                sampler.min_p, sampler.min_tokens_to_keep)
 
 
 def as_token(value) -> mx.array:
     """A user sampler's answer (an array or an int) as one token ``[1]``, in its own type
-    (an id past int32 is not wrapped into the vocabulary: Sampler.choose checks it)."""
+    (an id past int32 is not wrapped into the vocabulary: :func:`choose` checks it)."""
     token = value if isinstance(value, mx.array) else mx.array(value)
     return token.reshape(1)
 
