@@ -46,10 +46,11 @@ def pick(row: Row, logits: mx.array, position: int, before, allowed=None) -> mx.
     the tokens ``before`` (the processors'), among the ``allowed`` ones under a grammar; -1
     when the logits are not finite, a lower code when a request's field left them unusable
     (see :func:`finite`)."""
-    z, code = row.processors.checked(before, logits)
+    z, code = row.processors.checked(before, logits) if row.processors else (logits, None)
     token = sampling.choose(row.sampler, constrain(z, allowed),
-                            row.noise.at(position, 1, logits.shape[-1]))[0]
-    token = mx.where(code[0] == 0, token.astype(mx.int32), code[0])
+                            row.noise.at(position, 1, logits.shape[-1]))[0].astype(mx.int32)
+    if code is not None:        # (without processors no row is theirs to spoil: no code to read)
+        token = mx.where(code[0] == 0, token, code[0])
     return mx.where(mx.isfinite(logits).all(), token, -1)
 
 
