@@ -269,10 +269,12 @@ def round_steps(row: Row, bonus: int, n: int):
     a, nxt = accept(drafts, draft_logits, verified, sampler, g,
                     None if sampler.coupled else noise.next_key(),
                     row.constraint.allowed(target_logits, drafts))
-    # the first unusable row among those serial decoding reads (up to the one after the
-    # accepted drafts) ends the run, as it would have there
-    broken = ((codes != 0) & (mx.arange(codes.shape[0]) <= a)).astype(mx.int32)
-    nxt = mx.where(broken.any(), codes[mx.argmax(broken)], nxt.astype(mx.int32))
+    nxt = nxt.astype(mx.int32)
+    if row.processors:      # (without processors no row is theirs to spoil: no code to read)
+        # the first unusable row among those serial decoding reads (up to the one after the
+        # accepted drafts) ends the run, as it would have there
+        broken = ((codes != 0) & (mx.arange(codes.shape[0]) <= a)).astype(mx.int32)
+        nxt = mx.where(broken.any(), codes[mx.argmax(broken)], nxt)
     nxt = mx.where(mx.isfinite(target_logits).all(), nxt, -1)  # read below
     read = yield mx.concatenate([a.reshape(1), nxt.reshape(1), drafts]).astype(mx.int32)
     finite(read[1], session)
