@@ -21,6 +21,7 @@ with ``PYTHONPATH=.``) use
 names, parameter names, descriptions and requests that no training example has
 (``check_heldout`` asserts it when this module is run).
 """
+import functools
 import json
 import random
 import re
@@ -120,6 +121,20 @@ ASKS = {
     "write": ["Write {t} to {p}.", "Create a file {p} containing {t}.", "Save {t} in {p}.",
               "Put {t} into {p}."],
 }
+HARD_ASKS = {  # more phrasings for the hard calls (none a held-out request's)
+    "read": ASKS["read"] + ["Tell me what {p} says.", "Let me see {p}.", "Could you show me the file {p}?",
+                            "What's inside {p}?", "Display {p}.", "Give me the text of {p}.",
+                            "I want to see what {p} has.", "Can you open {p}?", "Load {p}.",
+                            "Show the file {p}."],
+    "list": ASKS["list"] + ["What is in the directory {d}?", "Show me the folder {d}.",
+                            "Which files live in {d}?", "List the directory {d}.",
+                            "What does the folder {d} have?", "Give me the file names in {d}."],
+    "run": ASKS["run"] + ["Launch `{c}`.", "Run this: `{c}`", "Please execute `{c}`.", "Try `{c}`.",
+                          "Kick off `{c}`.", "Use the shell to run `{c}`.", "Run the command {c} now."],
+    "write": ASKS["write"] + ["Store {t} in the file {p}.", "Make {p} say {t}.", "Put the text {t} in {p}.",
+                              "Fill {p} with {t}.", "Write the text {t} to the file {p}.",
+                              "Save the words {t} into {p}."],
+}
 DIRS = ["src", "lib", "tests", "app", "docs", "scripts", "pkg", "tools", "examples", "utils",
         "core", "api", "bin", "data"]
 WORDS = ["hello", "done", "TODO", "version 2", "ok", "print('hi')", "x = 1", "notes", "42", "draft"]
@@ -171,19 +186,19 @@ def tool_set(rng):
     return tools
 
 
-def request(action, rng, paths):
+def request(action, rng, paths, asks=ASKS):
     """(user turn, the argument the call must carry, the text to write)."""
     p = rng.choice(paths)
     if action == "read":
-        return rng.choice(ASKS["read"]).format(p=p), p, ""
+        return rng.choice(asks["read"]).format(p=p), p, ""
     if action == "list":
         d = rng.choice(DIRS + [x.rsplit("/", 1)[0] for x in paths[:50] if "/" in x])
-        return rng.choice(ASKS["list"]).format(d=d), d, ""
+        return rng.choice(asks["list"]).format(d=d), d, ""
     if action == "run":
         c = rng.choice(COMMANDS).format(m=p.split("/")[-1].removesuffix(".py"), f=p)
-        return rng.choice(ASKS["run"]).format(c=c), c, ""
+        return rng.choice(asks["run"]).format(c=c), c, ""
     t = rng.choice(WORDS)
-    return rng.choice(ASKS["write"]).format(p=p, t=t), p, t
+    return rng.choice(asks["write"]).format(p=p, t=t), p, t
 
 
 def arguments(tool, action, arg, content):
@@ -270,8 +285,11 @@ def render(messages, tools, thinking):
         messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
 
 
+KIND_WEIGHTS = [0.45, 0.35, 0.2]   # call, result, think (tune_tools.py --kinds)
+
+
 def draw(split, rng):
-    kind = rng.choices(["call", "result", "think"], [0.45, 0.35, 0.2])[0]
+    kind = rng.choices(["call", "result", "think"], KIND_WEIGHTS)[0]
     tok = chat_data.tokenizer()
     if kind == "think":
         name, summary, code = rng.choice(chat_data.tasks(split))
@@ -306,19 +324,202 @@ def example(split: str, index: int):
             return prompt, reply
 
 
+# Hard call examples (tune_tools.py --hard): 2-4 generated tools of different actions, named at
+# random (syllables, two unrelated words, or a verb-noun composition), so the tool can only be
+# chosen by its description and its name only copied from the tools section.
+HARD_DESCRIPTIONS = {
+    "read": ["Show the text of a file.", "Return what a file contains.", "Open a file and print it.",
+             "Give back the lines of a file.", "Fetch a file's text.", "Display a file.",
+             "Read the whole file at a path.", "Get a file's contents as a string."],
+    "list": ["Show the entries of a folder.", "List what a directory contains.",
+             "Return the file names in a folder.", "Enumerate a directory.",
+             "Show the files inside a folder.", "Give the names found in a directory."],
+    "run": ["Run a program in the terminal.", "Execute a shell command.",
+            "Run a command line and return what it prints.", "Start a command and return its output.",
+            "Run something in a terminal session.", "Execute a program with the shell."],
+    "write": ["Write text into a file.", "Store text in a file.", "Save a string to a file.",
+              "Put content in a file on disk.", "Create a file holding some text.",
+              "Overwrite a file with new text."],
+}
+HARD_PARAM_DESC = {"read": ["Which file to read", "The path", "File to open"],
+                   "list": ["Which directory", "The folder", "Directory to list"],
+                   "run": ["The command line", "What to run", "Command text"],
+                   "write": ["The path to write", "Output file", "File to create"]}
+EXTRA_PARAMS = ["spec", "arg", "value", "input", "query", "loc", "which", "item", "subject",
+                "resource", "pathname", "cmd_text", "shellcmd", "entry", "object", "ref", "line_text"]
+WORDS_A = ["amber", "nimbus", "falcon", "tulip", "quartz", "pebble", "cobalt", "mango", "orbit",
+           "lumen", "fjord", "cinder", "velvet", "walrus", "zephyr", "gadget", "marble", "sprout",
+           "rocket", "bramble", "kettle", "maple", "pixel", "raven", "thistle", "yonder"]
+
+
+VOCAB_NAMES = False   # tune_tools.py --vocab-names: most hard names made of random vocabulary pieces
+
+
+@functools.lru_cache(maxsize=None)
+def vocab_pieces():
+    """Lowercase alphabetic pieces of the tokenizer's vocabulary (2-6 letters)."""
+    tok = chat_data.tokenizer()
+    return sorted(p for p in tok.get_vocab() if p.isascii() and p.isalpha() and p.islower() and 2 <= len(p) <= 6)
+
+
+def hard_name(action, rng):
+    form = rng.random()
+    if VOCAB_NAMES:
+        held = {t["function"]["name"] for ts in HELDOUT_TOOLS for t in ts}
+        while form < 0.5:
+            pieces = vocab_pieces()
+            name = rng.choice(pieces) + rng.choice(["", "_"]) + rng.choice(pieces)
+            if rng.random() < 0.5:
+                name = rng.choice(pieces) + rng.choice(["", "_"]) + rng.choice(pieces[:400] + [""])
+            if name not in held:
+                return name
+        form = (form - 0.5) * 1.4      # then syllables or two words
+    if form < 0.4:
+        return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))) + rng.choice(["", "_x", "2"])
+    if form < 0.7 or VOCAB_NAMES:
+        return rng.choice(WORDS_A) + rng.choice(["_", ""]) + rng.choice(WORDS_A)
+    verb, noun = rng.choice(VERBS[action]), rng.choice(NOUNS[action])
+    return rng.choice([verb, f"{verb}_{noun}", f"{verb}{noun.title()}", f"{noun}_{verb}"])
+
+
+def hard_tool(action, rng):
+    key = rng.choice(PARAMS[action] + EXTRA_PARAMS if rng.random() < 0.5 else EXTRA_PARAMS)
+    params = [(key, "string", rng.choice(HARD_PARAM_DESC[action]))]
+    if action == "write":
+        params.append((rng.choice([c for c in CONTENT_PARAMS if c != key]), "string", "The text to write"))
+    return function(hard_name(action, rng), rng.choice(HARD_DESCRIPTIONS[action] + DESCRIPTIONS[action]),
+                    params, [p[0] for p in params])
+
+
+HARD_SIZES = [2, 2, 3, 4]   # tools per hard set (tune_tools.py --two-tools: [2])
+
+
+def hard_tools(actions, rng) -> dict:
+    """A hard tool per action, no two of the same name."""
+    tools, names = {}, set()
+    for a in actions:
+        t = hard_tool(a, rng)
+        while t["function"]["name"] in names:
+            t = hard_tool(a, rng)
+        tools[a], names = t, names | {t["function"]["name"]}
+    return tools
+
+
+def hard_conversation(split, rng):
+    actions = rng.sample(["read", "list", "run", "write"], rng.choice(HARD_SIZES))
+    tools = hard_tools(actions, rng)
+    action = rng.choice(actions)
+    ask, arg, content = request(action, rng, files(split), HARD_ASKS)
+    tool = tools[action]
+    listed = list(tools.values())
+    rng.shuffle(listed)
+    return ([{"role": "user", "content": ask}], listed, action, arg, tool["function"]["name"],
+            arguments(tool, action, arg, content), content)
+
+
+def hard_example(split, index):
+    """(prompt ids, reply ids) of a hard call (thinking on a quarter of the time)."""
+    rng = random.Random(f"{SEED}-hard-{split}-{index}")
+    tok = chat_data.tokenizer()
+    while True:
+        messages, tools, action, arg, name, args, content = hard_conversation(split, rng)
+        thinking = rng.random() < THINK_SHARE
+        reply = call_text(name, args)
+        if thinking:
+            reply = thought(action, arg, name) + "\n</think>\n" + reply
+        p = tok.encode(render(messages, tools, thinking), add_special_tokens=False)
+        r = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        if len(p) + len(r) <= MAX_TOKENS:
+            return p, r
+
+
+MULTI_MAX_TOKENS = 900
+
+
+def hard_multi_example(split, index):
+    """A conversation of 2-3 requests for different actions on one hard tool set (4 tools a third
+    of the time, else 3 or 2 tools), each answered by a call, the tool's result and a short answer;
+    it ends after the last call and eos. (ids, labels): labels are -100 except on every call and
+    every answer (so one sequence carries a tool choice per request)."""
+    rng = random.Random(f"{SEED}-multi-{split}-{index}")
+    tok = chat_data.tokenizer()
+    enc = lambda text: tok.encode(text, add_special_tokens=False)
+    while True:
+        k = rng.choice([2, 3, 3, 4] if HARD_SIZES != [2] else [2])
+        actions = rng.sample(["read", "list", "run", "write"], k)
+        tools = hard_tools(actions, rng)
+        listed = list(tools.values())
+        rng.shuffle(listed)
+        turns = rng.sample(actions, min(k, rng.choice([2, 3])))
+        messages, ids, labels, text = [], [], [], ""
+        for n, action in enumerate(turns):
+            ask, arg, content = request(action, rng, files(split), HARD_ASKS)
+            tool = tools[action]
+            args = arguments(tool, action, arg, content)
+            name = tool["function"]["name"]
+            messages.append({"role": "user", "content": ask})
+            prompt = render(messages, listed, False)
+            assert prompt.startswith(text)
+            new = enc(prompt[len(text):])
+            call = call_text(name, args)
+            ids += new
+            labels += [-100] * len(new)
+            last = n == len(turns) - 1
+            c = enc(call) + ([tok.eos_token_id] if last else [])
+            ids += c
+            labels += c
+            text = prompt + call
+            if last:
+                break
+            out, answer = result_and_answer(action, arg, content, rng, split)
+            out = "\n".join(out.splitlines()[:6])
+            messages += [{"role": "assistant", "content": "",
+                          "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]},
+                         {"role": "tool", "content": out}]
+            prompt = render(messages, listed, False)
+            assert prompt.startswith(text), (prompt[len(text) - 50:len(text) + 50], text[-50:])
+            new = enc(prompt[len(text):])
+            ids += new
+            labels += [-100] * len(new)
+            a = enc(answer)
+            ids += a
+            labels += a
+            text = prompt + answer
+            messages.append({"role": "assistant", "content": answer})
+        if len(ids) <= MULTI_MAX_TOKENS:
+            return ids, labels
+
+
+def probe_example(index):
+    """A hard call on the held-out files, thinking off: (prompt ids, reply ids without eos,
+    the tool's name, its main argument as the call writes it, the offered names)."""
+    rng = random.Random(f"{SEED}-probe-{index}")
+    tok = chat_data.tokenizer()
+    while True:
+        messages, tools, action, arg, name, args, content = hard_conversation("heldout", rng)
+        value = next(iter(args.values()))
+        p = tok.encode(render(messages, tools, False), add_special_tokens=False)
+        if len(p) <= MAX_TOKENS:
+            return (p, tok.encode(call_text(name, args), add_special_tokens=False), name, value,
+                    [t["function"]["name"] for t in tools])
+
+
 def check_heldout():
     """No held-out tool name or parameter name is a training one, no held-out request a
     training phrasing."""
     train_names = {t["function"]["name"] for s in AGENT_SETS for t in s.values()} | {
         name for a in VERBS for v in VERBS[a] for n in NOUNS[a]
         for name in (v, f"{v}_{n}", f"{v}{n.title()}", f"{n}_{v}")}
-    train_params = {p for ps in PARAMS.values() for p in ps} | set(CONTENT_PARAMS)
+    train_names |= set(WORDS_A)
+    train_params = {p for ps in PARAMS.values() for p in ps} | set(CONTENT_PARAMS) | set(EXTRA_PARAMS)
+    train_descriptions = {d for ds in list(DESCRIPTIONS.values()) + list(HARD_DESCRIPTIONS.values()) for d in ds}
     for tools in HELDOUT_TOOLS:
         for t in tools:
             assert t["function"]["name"] not in train_names, t["function"]["name"]
             assert not set(t["function"]["parameters"]["properties"]) & train_params, t
+            assert t["function"]["description"] not in train_descriptions, t
     phrasings = [".+".join(re.escape(part) for part in re.split(r"\{\w\}", a))
-                 for asks in ASKS.values() for a in asks]
+                 for asks in HARD_ASKS.values() for a in asks]
     for _, ask, *_ in HELDOUT_REQUESTS:
         assert not any(re.fullmatch(p, ask) for p in phrasings), ask
 

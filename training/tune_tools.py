@@ -23,6 +23,7 @@ training/work/target_tuned_hf (then step 4, export_target.py, as before).
 """
 import argparse
 import random
+from pathlib import Path
 
 
 import chat_data
@@ -30,6 +31,8 @@ import tool_data
 from common import batch, save_target
 from data import WORK
 from tune_chat import BATCH, answer_loss, padded, tune, unlikelihood
+import torch
+import torch.nn.functional as F
 
 SEED = 8642
 LR = 4e-4
@@ -71,13 +74,207 @@ def kind(step):
     return "ul" if step % 8 == 7 else "corpus" if step % 4 == 3 else "answers"
 
 
+# --hard (the follow-up after 820 steps): each step of 8 is 6 answer steps, 1 corpus, 1 unlikelihood;
+# an answer batch holds HARD_SHARE hard calls (tool_data.hard_example: 2-4 randomly named tools of
+# different actions), then tool_data.example draws (calls, results, thoughts) and chat tasks; the
+# loss on the name of the called function and on the first ARG_TOKENS tokens of each argument is
+# weighted by --name-weight (the tokens that must be copied from the tools section and the request).
+HARD_SHARE = 4
+HARD_TOOL_SHARE = 2
+ARG_TOKENS = 3
+
+
+def hard_kind(step):
+    return {6: "corpus", 7: "ul"}.get(step % 8, "answers")
+
+
+def copy_weights(reply, weight, first=None):
+    """Per reply token: ``weight`` on the called function's name (``first`` on its first token,
+    the choice of tool, when given) and on the first ARG_TOKENS tokens of every parameter value,
+    1 elsewhere."""
+    tok = chat_data.tokenizer()
+    lt, fn, eq, gt, nl = (tok.convert_tokens_to_ids(t) for t in ("<", "function", "=", ">", "\n"))
+    par = tok.convert_tokens_to_ids("parame")
+    w = [1.0] * len(reply)
+    i = 0
+    while i < len(reply) - 2:
+        if reply[i] == lt and reply[i + 1] == fn and reply[i + 2] == eq:
+            j = i + 3
+            while j < len(reply) and reply[j] != gt:
+                w[j] = first if first and j == i + 3 else weight
+                j += 1
+            i = j
+        elif reply[i] == lt and reply[i + 1] == par:
+            j = i + 2
+            while j < len(reply) and reply[j] != gt:
+                j += 1
+            j += 2                          # ">" then "\n": the value starts
+            for k in range(j, min(j + ARG_TOKENS, len(reply))):
+                if reply[k] == nl:
+                    break
+                w[k] = weight
+            i = j
+        else:
+            i += 1
+    return w
+
+
+def hard_answers(step, weight, n=BATCH, hard=HARD_SHARE, other=HARD_TOOL_SHARE, multi=0, first=None):
+    """A padded answer batch: ``multi`` multi-call conversations (tool_data.hard_multi_example),
+    ``hard`` hard calls, ``other`` tool_data.example draws, the rest chat tasks; with the
+    copy weights (copy_weights) on every labelled token."""
+    rows = [tool_data.hard_multi_example("train", step * n + i) for i in range(multi)]
+    ex = [tool_data.hard_example("train", step * n + i) for i in range(hard)]
+    ex += [tool_data.example("train", 5 * 10**6 + step * n + i) for i in range(other)]
+    ex += [chat_data.example("train", 6 * 10**6 + step * n + i) for i in range(n - len(ex) - multi)]
+    rows += [(p + a, [-100] * len(p) + a) for p, a in ex]
+    width = max(len(i) for i, _ in rows)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    labels = torch.full((n, width), -100)
+    weights = torch.zeros(labels.shape)
+    carry = torch.full((n, width), -100)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, :len(i)] = torch.tensor(i)
+        carry[r, :len(i)] = torch.tensor(carry_targets(i))
+        labels[r, :len(lab)] = torch.tensor(lab)
+        w = copy_weights(i, weight, first)
+        weights[r, :len(i)] = torch.tensor([x if l != -100 else 0.0 for x, l in zip(w, lab)])
+    return ids, labels, weights, carry
+
+
+CARRY_LAYER = 3    # the attention layer: its input is hidden_states[3]
+CARRY_SPAN = "function"   # to the tool's </function>, or (--carry-span description) to its </description>
+
+
+def carry_targets(ids):
+    """-100, except from the end of each tool's name in the tools section to its ``</function>``:
+    there the name's first token (the auxiliary carry loss: the name, which the template writes
+    before the description, carried forward to the tokens that say what the tool does)."""
+    tok = chat_data.tokenizer()
+    lt, fn, gt, nm, end, des = (tok.convert_tokens_to_ids(t) for t in ("<", "function", ">", "name", "</", "descrip"))
+    out = [-100] * len(ids)
+    j = 0
+    while j < len(ids) - 8:
+        if ids[j] == lt and ids[j + 1] == fn and ids[j + 2] == gt and ids[j + 4] == lt and ids[j + 5] == nm:
+            first, k = ids[j + 7], j + 8
+            while k < len(ids) and ids[k] != end:
+                k += 1
+            stop = (des,) if CARRY_SPAN == "description" else (fn, gt)
+            while k < len(ids) - 2 and not (ids[k] == end and tuple(ids[k + 1:k + 1 + len(stop)]) == stop):
+                out[k] = first
+                k += 1
+            j = k
+        else:
+            j += 1
+    return out
+
+
+def lens(model, h):
+    """Logits read from a residual ``h`` through the final norm and lm_head, both held fixed."""
+    norm = model.model.norm_f
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.detach()
+    return F.linear(h, model.lm_head.weight.detach()).float()
+
+
+def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0.0, log=None,
+                         select_weight=0.0, first=None):
+    out = model(ids[:, :-1], output_hidden_states=carry_weight > 0 or select_weight > 0)
+    logits = out.logits.float()
+    ce = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
+    w = weights[:, 1:].flatten()
+    loss = (ce * w).sum() / w.sum()
+    if carry_weight > 0:
+        mask = carry[:, :-1] != -100
+        h = out.hidden_states[CARRY_LAYER][mask]
+        norm = model.model.norm_f     # read through the final norm and lm_head, both held fixed here
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.detach()
+        aux_logits = F.linear(h, model.lm_head.weight.detach()).float()
+        aux = F.cross_entropy(aux_logits, carry[:, :-1][mask])
+        if log is not None:
+            log.append((aux.item(), (aux_logits.argmax(-1) == carry[:, :-1][mask]).float().mean().item()))
+        loss = loss + carry_weight * aux
+    if select_weight > 0:   # the attention layer's output must already name the tool
+        mask = weights[:, 1:] == first
+        sel = F.cross_entropy(lens(model, out.hidden_states[CARRY_LAYER + 1][mask]), labels[:, 1:][mask])
+        if log is not None:
+            log.append((sel.item(), -1.0))
+        loss = loss + select_weight * sel
+    return loss
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--random-names", action="store_true",
                     help="generated tools get meaningless names (tool_data.RANDOM_NAMES)")
+    ap.add_argument("--hard", action="store_true", help="the hard-call schedule (above)")
+    ap.add_argument("--name-weight", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--ckpt", default=str(CKPT))
+    ap.add_argument("--init", help="a checkpoint to start --ckpt from (weights and optimizer; step 0)")
+    ap.add_argument("--probe-every", type=int, default=25)
+    ap.add_argument("--hard-share", type=int, default=HARD_SHARE, help="hard calls per answer batch")
+    ap.add_argument("--multi-share", type=int, default=0, help="multi-call conversations per answer batch")
+    ap.add_argument("--first-weight", type=float, help="loss weight of the name's first token")
+    ap.add_argument("--two-tools", action="store_true", help="hard sets of 2 tools only")
+    ap.add_argument("--carry-weight", type=float, default=0.0,
+                    help="weight of the auxiliary carry loss (carry_targets) on the attention layer's input")
+    ap.add_argument("--vocab-names", action="store_true", help="tool_data.VOCAB_NAMES")
+    ap.add_argument("--select-weight", type=float, default=0.0,
+                    help="weight of the auxiliary loss naming the tool from the attention layer's output")
+    ap.add_argument("--carry-span", default="function", choices=["function", "description"])
+    ap.add_argument("--kinds", type=float, nargs=3, help="tool_data.example's call/result/think weights")
+    ap.add_argument("--corpus-every", type=int, default=8, help="a corpus step every n (8 or 16)")
+    ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
+                    help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
     tool_data.RANDOM_NAMES = args.random_names
+    ckpt = Path(args.ckpt)
+    if args.init and not ckpt.exists():
+        ck = torch.load(args.init)
+        torch.save({**ck, "step": 0}, ckpt)
+    if args.hard:
+        import tool_probe
+        probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)   # 2-4 tools
+        if args.two_tools:
+            tool_data.HARD_SIZES = [2]
+        tool_data.VOCAB_NAMES = args.vocab_names
+        global CARRY_SPAN
+        CARRY_SPAN = args.carry_span
+        if args.kinds:
+            tool_data.KIND_WEIGHTS = args.kinds
+
+        carry_log = []
+
+        def step_loss(model, stream, step):
+            if step % args.probe_every == 0:
+                model.eval()
+                h, _ = tool_probe.probe(model, probes[0])
+                g, _ = tool_probe.probe(model, probes[1])
+                model.train()
+                print(f"probe step {step}: held-out {h} generated {g}", flush=True)
+            k = hard_kind(step)
+            if k == "corpus" and args.corpus_every == 16 and step % 16 != 6:
+                k = "answers"
+            if k == "ul":
+                return unlikelihood(model, ul_prompts(step + 1), UL_TOKENS)   # ul_prompts alternates by step // 8
+            if k == "corpus":
+                x = batch(stream, 10**5 + step, BATCH, SEED)
+                return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
+            loss = weighted_answer_loss(model, *hard_answers(
+                step, args.name_weight, BATCH, args.hard_share, args.tool_share, args.multi_share,
+                args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight)
+            if carry_log and step % 20 == 0:
+                print(f"step {step} carry/select losses {carry_log[-2:]}", flush=True)
+            return loss, None
+
+        model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY)
+        save_target(model, OUT, {"hard_steps": args.steps, "init": args.init, "lr": args.lr,
+                                 "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
+                                 "tool_share": args.tool_share, "random_names": args.random_names,
+                                 "multi_share": args.multi_share, "first_weight": args.first_weight,
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight})
+        return
 
     def step_loss(model, stream, step):
         if kind(step) == "ul":
