@@ -26,7 +26,7 @@ CHUNK = 128         # the Mamba scan's chunk of a target that does not name its 
 SIZES = ((0, PIECE), (4096, PIECE // 2), (8192, PIECE // 4))   # (from this context on, size)
 # a batch's prefill beside rows decoding: the prompt tokens per step, on average (the server's
 # --prefill-budget; docs/batching.md "Prefill beside decoding", benchmarks/bench_prefill_stall.py)
-PREFILL_BUDGET = 2.5
+PREFILL_BUDGET = 3
 
 
 def size_at(position: int, sizes=SIZES) -> int:
