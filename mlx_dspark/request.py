@@ -239,7 +239,7 @@ class Request:
     after_thinking: bool = False
     # the sampling values above as the one Sampler every step reads (made, and checked, once
     # here)
-    warping: object = field(init=False, repr=False, compare=False)
+    warping: Sampler = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(self.prompt))
