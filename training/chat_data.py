@@ -107,6 +107,9 @@ def example(split: str, index: int):
             return prompt, reply
 
 
+DEF_LINE_SHARE = 0.0   # tune_tools.py --def-lines: the user turn is only the function's first line
+
+
 def draw(pool, rng):
     name, summary, code = pool[rng.randrange(len(pool))]
     messages = []
@@ -116,7 +119,8 @@ def draw(pool, rng):
         n0, s0, c0 = pool[rng.randrange(len(pool))]
         messages += [{"role": "user", "content": ask(n0, s0, rng)},
                      {"role": "assistant", "content": answer(c0)}]
-    messages.append({"role": "user", "content": ask(name, summary, rng)})
+    bare = DEF_LINE_SHARE and rng.random() < DEF_LINE_SHARE   # as `generate -p "def f(x):"` sends it
+    messages.append({"role": "user", "content": code.splitlines()[0] if bare else ask(name, summary, rng)})
     thinking = rng.random() < 0.15
     tok = tokenizer()
     prompt = tok.encode(render(messages, thinking), add_special_tokens=False)

@@ -84,8 +84,8 @@ HARD_TOOL_SHARE = 2
 ARG_TOKENS = 3
 
 
-def hard_kind(step):
-    return {6: "corpus", 7: "ul"}.get(step % 8, "answers")
+def hard_kind(step, corpus_every=8):
+    return {6: "corpus", 7: "ul", **({2: "corpus"} if corpus_every == 4 else {})}.get(step % 8, "answers")
 
 
 def copy_weights(reply, weight, first=None):
@@ -176,8 +176,29 @@ def lens(model, h):
     return F.linear(h, model.lm_head.weight.detach()).float()
 
 
+def attention_to_tool(model):
+    """Keeps the attention layer's probabilities of the next forward (eager attention) in the
+    returned list, for the attend loss."""
+    model.config._attn_implementation = "eager"
+    kept = []
+    model.model.layers[CARRY_LAYER].mixer.register_forward_hook(lambda m, i, o: kept.append(o[1]))
+    return kept
+
+
+def attend_loss(probs, carry, labels, chosen):
+    """-log of the attention mass (mean over heads) that each position choosing a tool (``chosen``)
+    puts on the right tool's span in the tools section (carry_targets: the tokens after its name
+    carry the name's first token, which is the label there)."""
+    rows, qs = chosen.nonzero(as_tuple=True)
+    right = carry[rows] == labels[rows, qs][:, None]                  # (n, keys)
+    mass = (probs[rows, :, qs, :] * right[:, None, :]).sum(-1).mean(-1)
+    return -torch.log(mass.clamp_min(1e-6)).mean(), mass.mean().item()
+
+
 def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0.0, log=None,
-                         select_weight=0.0, first=None):
+                         select_weight=0.0, first=None, attend=None, attend_weight=0.0):
+    if attend is not None:
+        attend.clear()
     out = model(ids[:, :-1], output_hidden_states=carry_weight > 0 or select_weight > 0)
     logits = out.logits.float()
     ce = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
@@ -199,6 +220,11 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
         if log is not None:
             log.append((sel.item(), -1.0))
         loss = loss + select_weight * sel
+    if attend_weight > 0:   # the attention layer must look at the right tool's description
+        att, mass = attend_loss(attend[-1], carry[:, :-1], labels[:, 1:], weights[:, 1:] == first)
+        if log is not None:
+            log.append((att.item(), mass))
+        loss = loss + attend_weight * att
     return loss
 
 
@@ -222,9 +248,13 @@ def main():
     ap.add_argument("--vocab-names", action="store_true", help="tool_data.VOCAB_NAMES")
     ap.add_argument("--select-weight", type=float, default=0.0,
                     help="weight of the auxiliary loss naming the tool from the attention layer's output")
+    ap.add_argument("--attend-weight", type=float, default=0.0,
+                    help="weight of the auxiliary loss on the attention layer's mass on the right tool")
     ap.add_argument("--carry-span", default="function", choices=["function", "description"])
     ap.add_argument("--kinds", type=float, nargs=3, help="tool_data.example's call/result/think weights")
-    ap.add_argument("--corpus-every", type=int, default=8, help="a corpus step every n (8 or 16)")
+    ap.add_argument("--corpus-every", type=int, default=8, help="a corpus step every n (4, 8 or 16)")
+    ap.add_argument("--def-lines", type=float, default=0.0,
+                    help="share of chat tasks asked by the function's first line alone (chat_data.DEF_LINE_SHARE)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
                     help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
@@ -239,21 +269,25 @@ def main():
         if args.two_tools:
             tool_data.HARD_SIZES = [2]
         tool_data.VOCAB_NAMES = args.vocab_names
+        chat_data.DEF_LINE_SHARE = args.def_lines
         global CARRY_SPAN
         CARRY_SPAN = args.carry_span
         if args.kinds:
             tool_data.KIND_WEIGHTS = args.kinds
 
         carry_log = []
+        attend = []
 
         def step_loss(model, stream, step):
+            if args.attend_weight and not attend:
+                attend.append(attention_to_tool(model))
             if step % args.probe_every == 0:
                 model.eval()
                 h, _ = tool_probe.probe(model, probes[0])
                 g, _ = tool_probe.probe(model, probes[1])
                 model.train()
                 print(f"probe step {step}: held-out {h} generated {g}", flush=True)
-            k = hard_kind(step)
+            k = hard_kind(step, args.corpus_every)
             if k == "corpus" and args.corpus_every == 16 and step % 16 != 6:
                 k = "answers"
             if k == "ul":
@@ -263,9 +297,10 @@ def main():
                 return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
             loss = weighted_answer_loss(model, *hard_answers(
                 step, args.name_weight, BATCH, args.hard_share, args.tool_share, args.multi_share,
-                args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight)
+                args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
+                attend[0] if attend else None, args.attend_weight)
             if carry_log and step % 20 == 0:
-                print(f"step {step} carry/select losses {carry_log[-2:]}", flush=True)
+                print(f"step {step} carry/select/attend losses {carry_log[-3:]}", flush=True)
             return loss, None
 
         model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY)
@@ -273,7 +308,7 @@ def main():
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines})
         return
 
     def step_loss(model, stream, step):
