@@ -203,7 +203,9 @@ def main():
     ap.add_argument("--windows", type=int, default=N_WINDOWS, help="corpus windows")
     ap.add_argument("--generated", type=int, default=N_GENERATED, help="target-generated windows")
     ap.add_argument("--chat", action="store_true",
-                    help=f"one row of every batch from {N_CHAT} greedy chat-answer windows")
+                    help=f"--chat-rows rows of every batch from --chat-windows greedy chat-answer windows")
+    ap.add_argument("--chat-windows", type=int, default=N_CHAT)
+    ap.add_argument("--chat-rows", type=int, default=CHAT_ROWS, help="of every batch, with --chat")
     ap.add_argument("--init", metavar="DIR", help="fine-tune this packed drafter "
                     "(recover_target.py --drafter rebuilds the shipped one)")
     ap.add_argument("--lr", type=float, default=LR)
@@ -214,7 +216,7 @@ def main():
         p.requires_grad_(False)
     data = cached_windows(target, args.windows)
     gen = generated_windows(target, args.generated)
-    chat = chat_windows(target, N_CHAT) if args.chat else None
+    chat = chat_windows(target, args.chat_windows) if args.chat else None
     drafter = make_drafter(target, mask_token_id(), args.layers, args.intermediate, args.init)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
@@ -226,11 +228,11 @@ def main():
         # Mostly the target's own greedy continuations (what greedy speculation drafts
         # against), plus corpus text.
         rows = torch.from_numpy(g.choice(args.windows, CORPUS_ROWS, replace=False))
-        n_gen = BATCH - CORPUS_ROWS - (CHAT_ROWS if chat else 0)
+        n_gen = BATCH - CORPUS_ROWS - (args.chat_rows if chat else 0)
         grows = torch.from_numpy(g.choice(args.generated, n_gen, replace=False))
         parts = [(data, rows), (gen, grows)]
         if chat:
-            parts.append((chat, torch.from_numpy(g.choice(N_CHAT, CHAT_ROWS, replace=False))))
+            parts.append((chat, torch.from_numpy(g.choice(args.chat_windows, args.chat_rows, replace=False))))
         ids = torch.cat([src["ids"][r] for src, r in parts])
         taps = torch.cat([src["taps"][r] for src, r in parts])
         anchors = torch.from_numpy(np.sort(g.choice(np.arange(1, SEQ_LEN - N_TRAIN), ANCHORS, replace=False)))

@@ -84,8 +84,9 @@ HARD_TOOL_SHARE = 2
 ARG_TOKENS = 3
 
 
-def hard_kind(step, corpus_every=8):
-    return {6: "corpus", 7: "ul", **({2: "corpus"} if corpus_every == 4 else {})}.get(step % 8, "answers")
+def hard_kind(step, corpus_every=8, ul_every=8):
+    return {6: "corpus", 7: "ul", **({2: "corpus"} if corpus_every == 4 else {}),
+            **({3: "ul"} if ul_every == 4 else {})}.get(step % 8, "answers")
 
 
 def copy_weights(reply, weight, first=None):
@@ -253,6 +254,8 @@ def main():
     ap.add_argument("--carry-span", default="function", choices=["function", "description"])
     ap.add_argument("--kinds", type=float, nargs=3, help="tool_data.example's call/result/think weights")
     ap.add_argument("--corpus-every", type=int, default=8, help="a corpus step every n (4, 8 or 16)")
+    ap.add_argument("--ul-every", type=int, default=8, help="an unlikelihood step every n (4 or 8)")
+    ap.add_argument("--ul-tokens", type=int, default=UL_TOKENS, help="greedy tokens each unlikelihood prompt runs")
     ap.add_argument("--def-lines", type=float, default=0.0,
                     help="share of chat tasks asked by the function's first line alone (chat_data.DEF_LINE_SHARE)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
@@ -287,11 +290,11 @@ def main():
                 g, _ = tool_probe.probe(model, probes[1])
                 model.train()
                 print(f"probe step {step}: held-out {h} generated {g}", flush=True)
-            k = hard_kind(step, args.corpus_every)
+            k = hard_kind(step, args.corpus_every, args.ul_every)
             if k == "corpus" and args.corpus_every == 16 and step % 16 != 6:
                 k = "answers"
             if k == "ul":
-                return unlikelihood(model, ul_prompts(step + 1), UL_TOKENS)   # ul_prompts alternates by step // 8
+                return unlikelihood(model, ul_prompts(step + 1), args.ul_tokens)   # ul_prompts alternates by step // 8
             if k == "corpus":
                 x = batch(stream, 10**5 + step, BATCH, SEED)
                 return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
@@ -308,7 +311,7 @@ def main():
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens})
         return
 
     def step_loss(model, stream, step):
