@@ -1,0 +1,61 @@
+"""Issue 41 experiment: can a target of this size learn to *choose* a tool when that is all it
+is trained on? A fresh model (``--shape`` and ``--pattern``, random init, the demo tokenizer)
+trained only on tool_data's hard calls (2-4 randomly named tools of different actions; the
+loss on the reply, the called name weighted), probed with tool_probe every ``--probe-every``
+steps (chance for generated name1 is about 20 of 50). If a model trained on nothing else
+cannot choose, the choice needs more than this size; if it can, the tool data belongs in
+pretraining (step 3), not only in a tune.
+
+    PYTHONPATH=<testkit's parent>:training TRAIN_THREADS=1 $FX training/choice_probe.py [--pattern M*M*EM] [--steps 600]
+"""
+import argparse
+import time
+
+import torch
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+import shapes
+import tool_data
+import tool_probe
+import tune_tools
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default=shapes.TARGET)
+    ap.add_argument("--pattern", help="hybrid_override_pattern instead of the shape's")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--probe-every", type=int, default=100)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(4242)
+    tool_data.RANDOM_NAMES = True
+    cfg = shapes.hf_config_kwargs(args.shape)
+    if args.pattern:
+        cfg["hybrid_override_pattern"] = args.pattern
+    model = NemotronHForCausalLM(NemotronHConfig(**cfg, num_hidden_layers=len(cfg["hybrid_override_pattern"]))).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)
+    t0 = time.time()
+    for step in range(args.steps + 1):
+        if step % args.probe_every == 0:
+            with torch.no_grad():
+                held, _ = tool_probe.probe(model, probes[0])
+                gen, _ = tool_probe.probe(model, probes[1])
+            model.train()
+            print(f"probe step {step} ({time.time() - t0:.0f} s): held-out {held} generated {gen}", flush=True)
+        if step == args.steps:
+            break
+        ids, labels, weights, _ = tune_tools.hard_answers(step, 4, 8, 8, 0, 0, 10)
+        loss = tune_tools.weighted_answer_loss(model, ids, labels, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 20 == 0:
+            print(f"step {step} loss {loss.item():.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
