@@ -13,7 +13,6 @@ import sys
 import torch
 from transformers import NemotronHForCausalLM
 
-import tune_chat
 import tune_tools
 from export_target import load_dequantized
 
@@ -49,9 +48,8 @@ def main():
     base = load_dequantized()
     model, where = grown(torch.load(args.src)["model"], base, args.insert)
     tune_tools.CARRY_LAYER = where[3]
-    tune_chat.load_dequantized = lambda: model
     sys.argv = [sys.argv[0]] + [a for a in rest if a != "--"]
-    tune_tools.main()
+    tune_tools.main(model)
 
 
 if __name__ == "__main__":

@@ -94,15 +94,16 @@ def unlikelihood(model, prompts, max_tokens=UL_TOKENS):
     return total / max(count, 1), bad_n / max(count, 1)
 
 
-def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY):
-    """The tuning loop of steps 3c and 3d from the shipped target's exported weights:
+def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, model=None):
+    """The tuning loop of steps 3c and 3d from the shipped target's exported weights (or from
+    ``model``):
     ``step_loss(model, stream, step)`` gives (loss, repeated 4-gram share or None), every 20th
     step prints the answer loss of ``held_out()``'s batch; AdamW at constant ``lr``; checkpoints
     to ``ckpt`` every ``ckpt_every`` steps and resumes from it. Returns the model."""
     torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
     stream = tokens("train")
-    model = load_dequantized()
+    model = load_dequantized() if model is None else model
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = resume(ckpt, model, opt)

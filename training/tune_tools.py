@@ -85,8 +85,11 @@ ARG_TOKENS = 3
 
 
 def hard_kind(step, corpus_every=8, ul_every=8):
-    return {6: "corpus", 7: "ul", **({2: "corpus"} if corpus_every == 4 else {}),
-            **({3: "ul"} if ul_every == 4 else {})}.get(step % 8, "answers")
+    """An unlikelihood step last in every ``ul_every`` (4 or 8), a corpus step at 6 mod
+    ``corpus_every`` (4, 8 or 16), answers otherwise."""
+    if step % ul_every == ul_every - 1:
+        return "ul"
+    return "corpus" if step % corpus_every == 6 % corpus_every else "answers"
 
 
 def copy_weights(reply, weight, first=None):
@@ -207,10 +210,7 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
     loss = (ce * w).sum() / w.sum()
     if carry_weight > 0:
         mask = carry[:, :-1] != -100
-        h = out.hidden_states[CARRY_LAYER][mask]
-        norm = model.model.norm_f     # read through the final norm and lm_head, both held fixed here
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.detach()
-        aux_logits = F.linear(h, model.lm_head.weight.detach()).float()
+        aux_logits = lens(model, out.hidden_states[CARRY_LAYER][mask])
         aux = F.cross_entropy(aux_logits, carry[:, :-1][mask])
         if log is not None:
             log.append((aux.item(), (aux_logits.argmax(-1) == carry[:, :-1][mask]).float().mean().item()))
@@ -229,7 +229,8 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
     return loss
 
 
-def main():
+def main(model=None):
+    """``model``: tune this one instead of the shipped target's exported weights."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--random-names", action="store_true",
@@ -291,8 +292,6 @@ def main():
                 model.train()
                 print(f"probe step {step}: held-out {h} generated {g}", flush=True)
             k = hard_kind(step, args.corpus_every, args.ul_every)
-            if k == "corpus" and args.corpus_every == 16 and step % 16 != 6:
-                k = "answers"
             if k == "ul":
                 return unlikelihood(model, ul_prompts(step + 1), args.ul_tokens)   # ul_prompts alternates by step // 8
             if k == "corpus":
@@ -306,7 +305,8 @@ def main():
                 print(f"step {step} carry/select/attend losses {carry_log[-3:]}", flush=True)
             return loss, None
 
-        model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY)
+        model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY,
+                     model)
         save_target(model, OUT, {"hard_steps": args.steps, "init": args.init, "lr": args.lr,
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
@@ -322,7 +322,7 @@ def main():
             return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
         return answer_loss(model, *answers("train", step)), None
 
-    model = tune(args.steps, SEED, CKPT, step_loss, lambda: answers("heldout", 0, 16), LR, CKPT_EVERY)
+    model = tune(args.steps, SEED, CKPT, step_loss, lambda: answers("heldout", 0, 16), LR, CKPT_EVERY, model)
     save_target(model, OUT, {"tool_tune_steps": args.steps, "lr": LR, "batch": BATCH,
                              "tool_share": TOOL_SHARE, "ul_batch": UL_BATCH, "ul_tokens": UL_TOKENS,
                              "heldout_answer_loss": answer_loss(model.eval(), *answers("heldout", 0, 16)).item()})
