@@ -45,6 +45,15 @@ def generation_stream() -> mx.ThreadLocalStream:
     return _streams[key]
 
 
+def release_streams():
+    """Destroy the streams this thread made (:func:`generation_stream`'s share of it
+    included). MLX asks this of every thread that ran work on a stream, before it ends: a
+    stream that outlives its thread is torn down at the process's exit, and there it aborted
+    one process in two on the CPU backend (``terminate called without an active exception``,
+    exit 134, after all the work was done)."""
+    mx.clear_streams()
+
+
 class _Wired:
     """The process's wired-memory limit while generations run: raised by the first, put back
     by the last (generations interleave, on one thread or several)."""

@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 
+from .. import device
 from ..decode.pieces import PREFILL_BUDGET
 from ..decode.session import Session
 from ..prompt_cache.cache import PromptCache
@@ -137,6 +138,12 @@ class Engine:
                        home=self.pair)
 
     def _main(self):
+        try:
+            self._serve()
+        finally:
+            device.release_streams()     # this thread made them: MLX's rule, see there
+
+    def _serve(self):
         try:
             self.pair = self.load()
             store = self._store(self.pair, self.new_session()) if self._store else None
