@@ -2,7 +2,8 @@
 tool and argument on "auto", a forced call that closes within 64 tokens, an answer after the
 tool's result that stops within 128), thinking that closes within 64 tokens, and the share of
 distinct 4-grams in 64 greedy tokens on the README's and docs' example prompts plus 20 held-out
-chat prompts (testkit/demo_acts.py holds the prompts and the checks). Prints JSON.
+chat prompts, and DSpark's tokens per round over them (testkit/demo_acts.py holds the prompts and
+the checks). Prints JSON.
 
     python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo"""
 
@@ -43,7 +44,8 @@ def main(argv=None):
         "forced_calls_closed_within_64": f"{sum(r['forced_closed'] for r in tools)}/{len(tools)}",
         "answers_stopped_within_128": f"{sum(r['answer_finish'] == 'stop' for r in tools)}/{len(tools)}",
         "thinking_closed_within_64": f"{sum(r['closed'] for r in thinking)}/{len(thinking)}",
-        "distinct_4grams_worst": loops["worst"], "distinct_4grams_mean": loops["mean"]}
+        "distinct_4grams_worst": loops["worst"], "distinct_4grams_mean": loops["mean"],
+        "tokens_per_round": loops["tokens_per_round"]}
     print(json.dumps(summary, indent=1))
 
 

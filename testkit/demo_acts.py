@@ -147,15 +147,21 @@ def thinking_checks(client, model: str) -> list[dict]:
 
 def loop_checks(pair) -> dict:
     """Distinct 4-gram share of LOOP_TOKENS greedy tokens (an answer that ends sooner counts
-    what it wrote) on the example prompts and the held-out chat prompts: each, worst, mean."""
+    what it wrote) on the example prompts and the held-out chat prompts: each, worst, mean;
+    and the pair's drafter's tokens per round over them all (generated tokens over rounds).
+    The runs speculate throughout: greedy text is the serial text, token for token."""
     import mlx_dspark as md
-    runs = [(p, md.generate(pair, p, LOOP_TOKENS, chat=True)) for p in EXAMPLE_CHATS]
-    runs.append(("(history) Now make it recursive.", md.generate(pair, EXAMPLE_HISTORY, LOOP_TOKENS)))
-    runs += [(f"(raw) {p}", md.generate(pair, p, LOOP_TOKENS)) for p in EXAMPLE_RAW]
-    runs += [(p, md.generate(pair, p, LOOP_TOKENS, chat=True)) for p in CHAT_PROMPTS]
+
+    def run(prompt, **chat):
+        return md.generate(pair, prompt, LOOP_TOKENS, speculative=True, **chat)
+    runs = [(p, run(p, chat=True)) for p in EXAMPLE_CHATS]
+    runs.append(("(history) Now make it recursive.", run(EXAMPLE_HISTORY)))
+    runs += [(f"(raw) {p}", run(p)) for p in EXAMPLE_RAW]
+    runs += [(p, run(p, chat=True)) for p in CHAT_PROMPTS]
     each = {p: round(distinct_4grams(r.tokens), 3) for p, r in runs}
+    rate = sum(len(r.tokens) for _, r in runs) / sum(r.stats.rounds for _, r in runs)
     return {"worst": min(each.values()), "mean": round(sum(each.values()) / len(each), 3),
-            "each": each}
+            "each": each, "tokens_per_round": round(rate, 3)}
 
 
 def served(load=None, speculative: str = "on"):
