@@ -4,9 +4,12 @@ trained only on tool_data's hard calls (2-4 randomly named tools of different ac
 loss on the reply, the called name weighted), probed with tool_probe every ``--probe-every``
 steps (chance for generated name1 is about 20 of 50). If a model trained on nothing else
 cannot choose, the choice needs more than this size; if it can, the tool data belongs in
-pretraining (step 3), not only in a tune.
+pretraining (step 3), not only in a tune. ``--init``: start instead from a tuned target's
+checkpoint (tune_tools.py's, the demo's shape): can the corpus-pretrained target learn the
+choice when every row of every batch asks for it, for many more steps than a tune gives it?
 
     PYTHONPATH=<testkit's parent>:training TRAIN_THREADS=1 $FX training/choice_probe.py [--pattern M*M*EM] [--steps 600]
+    ... training/choice_probe.py --init training/work/bal_b.pt --lr 3e-4 --steps 1500
 """
 import argparse
 import time
@@ -27,6 +30,8 @@ def main():
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--probe-every", type=int, default=100)
+    ap.add_argument("--init", help="a tune_tools.py checkpoint to start from (not random init)")
+    ap.add_argument("--save", help="where to save the model at the end ({'model': ...}, as --init reads)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(4242)
@@ -35,6 +40,8 @@ def main():
     if args.pattern:
         cfg["hybrid_override_pattern"] = args.pattern
     model = NemotronHForCausalLM(NemotronHConfig(**cfg, num_hidden_layers=len(cfg["hybrid_override_pattern"]))).float()
+    if args.init:
+        model.load_state_dict(torch.load(args.init)["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)
     t0 = time.time()
@@ -46,6 +53,8 @@ def main():
             model.train()
             print(f"probe step {step} ({time.time() - t0:.0f} s): held-out {held} generated {gen}", flush=True)
         if step == args.steps:
+            if args.save:
+                torch.save({"model": model.state_dict(), "step": step}, args.save)
             break
         ids, labels, weights, _ = tune_tools.hard_answers(step, 4, 8, 8, 0, 0, 10)
         loss = tune_tools.weighted_answer_loss(model, ids, labels, weights)
