@@ -40,9 +40,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(4242)
-    tool_data.RANDOM_NAMES = True
-    tool_data.VOCAB_NAMES = args.vocab_names
-    tool_data.COMPOSED_DESCRIPTIONS = args.composed
+    tool_data.hard_call_options(args.vocab_names, args.composed)
     cfg = shapes.hf_config_kwargs(args.shape)
     if args.pattern:
         cfg["hybrid_override_pattern"] = args.pattern

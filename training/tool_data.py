@@ -411,6 +411,13 @@ COMPOSED_DESCRIPTIONS = False
 HELDOUT_DESCRIPTIONS = {t["function"]["description"] for ts in HELDOUT_TOOLS for t in ts}
 
 
+def hard_call_options(vocab_names=False, composed=False):
+    """The probes' hard calls: random names (vocabulary pieces for half with ``vocab_names``) and,
+    with ``composed``, composed descriptions."""
+    global RANDOM_NAMES, VOCAB_NAMES, COMPOSED_DESCRIPTIONS
+    RANDOM_NAMES, VOCAB_NAMES, COMPOSED_DESCRIPTIONS = True, vocab_names, composed
+
+
 def hard_description(action, rng):
     if COMPOSED_DESCRIPTIONS and rng.random() < 0.7:
         while True:
