@@ -10,6 +10,7 @@ choice when every row of every batch asks for it, for many more steps than a tun
 
     PYTHONPATH=<testkit's parent>:training TRAIN_THREADS=1 $FX training/choice_probe.py [--pattern M*M*EM] [--steps 600]
     ... training/choice_probe.py --init training/work/bal_b.pt --lr 3e-4 --steps 1500
+    ... training/choice_probe.py --pattern M*M*EM --init CKPT --first-step 3000 --steps 2000   # continue
 """
 import argparse
 import time
@@ -32,10 +33,14 @@ def main():
     ap.add_argument("--probe-every", type=int, default=100)
     ap.add_argument("--init", help="a tune_tools.py checkpoint to start from (not random init)")
     ap.add_argument("--save", help="where to save the model at the end ({'model': ...}, as --init reads)")
+    ap.add_argument("--first-step", type=int, default=0,
+                    help="the step to count from (a continuation of --init draws new batches)")
+    ap.add_argument("--vocab-names", action="store_true", help="tool_data.VOCAB_NAMES")
+    ap.add_argument("--composed", action="store_true", help="tool_data.COMPOSED_DESCRIPTIONS")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(4242)
-    tool_data.RANDOM_NAMES = True
+    tool_data.hard_call_options(args.vocab_names, args.composed)
     cfg = shapes.hf_config_kwargs(args.shape)
     if args.pattern:
         cfg["hybrid_override_pattern"] = args.pattern
@@ -45,14 +50,15 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)
     t0 = time.time()
-    for step in range(args.steps + 1):
+    last = args.first_step + args.steps
+    for step in range(args.first_step, last + 1):
         if step % args.probe_every == 0:
             with torch.no_grad():
                 held, _ = tool_probe.probe(model, probes[0])
                 gen, _ = tool_probe.probe(model, probes[1])
             model.train()
             print(f"probe step {step} ({time.time() - t0:.0f} s): held-out {held} generated {gen}", flush=True)
-        if step == args.steps:
+        if step == last:
             if args.save:
                 torch.save({"model": model.state_dict(), "step": step}, args.save)
             break

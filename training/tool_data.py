@@ -382,13 +382,59 @@ def hard_name(action, rng):
     return rng.choice([verb, f"{verb}_{noun}", f"{verb}{noun.title()}", f"{noun}_{verb}"])
 
 
+# Composed descriptions (choice_probe.py --composed): a verb and an object drawn apart, so a
+# description is recognised by its words (file, folder, shell, write ...), not remembered whole.
+COMPOSED_VERBS = {"read": ["Show", "Return", "Print", "Display", "Fetch", "Get", "Read", "Open",
+                           "Output", "Give back", "Dump out"],
+                  "list": ["Show", "List", "Return", "Give", "Enumerate", "Display", "Print", "Scan"],
+                  "run": ["Run", "Execute", "Launch", "Spawn", "Fire off", "Kick off"],
+                  "write": ["Write", "Save", "Store", "Place", "Create", "Overwrite", "Record"]}
+COMPOSED_OBJECTS = {
+    "read": ["the text of a file", "what a file contains", "a file's contents", "the lines of a file",
+             "a file as a string", "the contents of a file on disk", "the source of a file",
+             "what is in a file", "a text file"],
+    "list": ["the entries of a folder", "the files in a directory", "what a folder contains",
+             "the names in a directory", "a folder's files", "the contents of a directory",
+             "what is in a folder", "the children of a directory"],
+    "run": ["a shell command", "a program in the terminal", "a command line", "a command in a shell",
+            "a process", "a script in the terminal", "a terminal command", "a bash line"],
+    "write": ["text into a file", "a string in a file", "content to a file", "text to a file on disk",
+              "a file with some text", "new text in a file", "words into a file"]}
+COMPOSED_TAILS = {"read": ["", " at a path", " from disk"], "list": ["", " at a path", " on disk"],
+                  "run": ["", " and return its output", " and return what it prints"],
+                  "write": ["", " at a path", " on disk"]}
+COMPOSED_PARAM_DESC = {"read": ["Which file", "The file to show", "Path of the file", "File path"],
+                       "list": ["Which directory", "The folder to list", "Folder path", "Directory"],
+                       "run": ["The command", "Command to run", "What to execute", "Shell line"],
+                       "write": ["Which file", "Target file", "File to write", "Output path"]}
+COMPOSED_DESCRIPTIONS = False
+HELDOUT_DESCRIPTIONS = {t["function"]["description"] for ts in HELDOUT_TOOLS for t in ts}
+
+
+def hard_call_options(vocab_names=False, composed=False):
+    """The probes' hard calls: random names (vocabulary pieces for half with ``vocab_names``) and,
+    with ``composed``, composed descriptions."""
+    global RANDOM_NAMES, VOCAB_NAMES, COMPOSED_DESCRIPTIONS
+    RANDOM_NAMES, VOCAB_NAMES, COMPOSED_DESCRIPTIONS = True, vocab_names, composed
+
+
+def hard_description(action, rng):
+    if COMPOSED_DESCRIPTIONS and rng.random() < 0.7:
+        while True:
+            d = (f"{rng.choice(COMPOSED_VERBS[action])} {rng.choice(COMPOSED_OBJECTS[action])}"
+                 f"{rng.choice(COMPOSED_TAILS[action])}.")
+            if d not in HELDOUT_DESCRIPTIONS:
+                return d
+    return rng.choice(HARD_DESCRIPTIONS[action] + DESCRIPTIONS[action])
+
+
 def hard_tool(action, rng):
     key = rng.choice(PARAMS[action] + EXTRA_PARAMS if rng.random() < 0.5 else EXTRA_PARAMS)
-    params = [(key, "string", rng.choice(HARD_PARAM_DESC[action]))]
+    descs = HARD_PARAM_DESC[action] + (COMPOSED_PARAM_DESC[action] if COMPOSED_DESCRIPTIONS else [])
+    params = [(key, "string", rng.choice(descs))]
     if action == "write":
         params.append((rng.choice([c for c in CONTENT_PARAMS if c != key]), "string", "The text to write"))
-    return function(hard_name(action, rng), rng.choice(HARD_DESCRIPTIONS[action] + DESCRIPTIONS[action]),
-                    params, [p[0] for p in params])
+    return function(hard_name(action, rng), hard_description(action, rng), params, [p[0] for p in params])
 
 
 HARD_SIZES = [2, 2, 3, 4]   # tools per hard set (tune_tools.py --two-tools: [2])
