@@ -89,16 +89,27 @@ def query_targets(act, labels, weights, carry, first):
     return out
 
 
+def action_ends(act):
+    """The positions of the ``</`` ending each labelled description (action_targets' labels)."""
+    return [i for i in range(1, len(act) - 1) if act[i] != -100 and act[i + 1] == -100]
+
+
 def description_ends(ids, carry):
     """carry_targets' labels (the tool's name's first token) kept only on the last word of each
     description and the ``</`` after it: where its action is readable (--attend-ends)."""
     out = torch.full(carry.shape, -100)
     for r in range(ids.shape[0]):
-        act = action_targets(ids[r].tolist())
-        for e in range(1, ids.shape[1] - 1):
-            if act[e] != -100 and act[e + 1] == -100:
-                out[r, e - 1:e + 1] = carry[r, e - 1]
+        for e in action_ends(action_targets(ids[r].tolist())):
+            out[r, e - 1:e + 1] = carry[r, e - 1]
     return out
+
+
+def layer_input(model):
+    """The choosing attention layer's input of each forward, kept in the returned list."""
+    seen = []
+    model.model.layers[tune_tools.CARRY_LAYER].register_forward_pre_hook(
+        lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+    return seen
 
 
 def rms(h):
@@ -129,9 +140,7 @@ def main():
     model = load_dequantized()
     model.load_state_dict(torch.load(args.init)["model"])
     kept = tune_tools.attention_to_tool(model)
-    seen = []
-    model.model.layers[tune_tools.CARRY_LAYER].register_forward_pre_hook(
-        lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+    seen = layer_input(model)
     head = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
     qhead = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
     opt = torch.optim.AdamW([{"params": model.parameters()},
@@ -142,10 +151,9 @@ def main():
     first = 10.0
     for step in range(args.steps + 1):
         if step % args.probe_every == 0:
+            line = tool_probe.report(model, probes)
             model.eval()
             with torch.no_grad():
-                held, _ = tool_probe.probe(model, probes[0])
-                gen, _ = tool_probe.probe(model, probes[1])
                 right = total = 0
                 for ids in held_rows:
                     seen.clear()
@@ -155,7 +163,7 @@ def main():
                     right += (pred[act != -100] == act[act != -100]).sum().item()
                     total += (act != -100).sum().item()
             model.train()
-            print(f"probe step {step}: held-out {held} generated {gen} "
+            print(f"probe step {step}: {line} "
                   f"held-out description tokens read as their action {right}/{total}", flush=True)
         if step == args.steps:
             break

@@ -53,11 +53,7 @@ def main():
     last = args.first_step + args.steps
     for step in range(args.first_step, last + 1):
         if step % args.probe_every == 0:
-            with torch.no_grad():
-                held, _ = tool_probe.probe(model, probes[0])
-                gen, _ = tool_probe.probe(model, probes[1])
-            model.train()
-            print(f"probe step {step} ({time.time() - t0:.0f} s): held-out {held} generated {gen}", flush=True)
+            print(f"probe step {step} ({time.time() - t0:.0f} s): {tool_probe.report(model, probes)}", flush=True)
         if step == last:
             if args.save:
                 torch.save({"model": model.state_dict(), "step": step}, args.save)

@@ -31,10 +31,6 @@ from export_target import load_dequantized
 FIRST = 10.0    # the copy weight marking the name's first token (hard_answers' ``first``)
 
 
-def description_ends(act):
-    return [i for i in range(1, len(act) - 1) if act[i] != -100 and act[i + 1] == -100]
-
-
 def features(model, seen, batches=40):
     """Per generated hard call: (choosing feature, called action, [tool end features], [tool
     actions], index of the called tool)."""
@@ -48,7 +44,7 @@ def features(model, seen, batches=40):
             for r in range(ids.shape[0]):
                 q = (weights[r, 1:] == FIRST).nonzero()[0, 0].item()
                 act = action_probe.action_targets(ids[r].tolist())
-                ends = description_ends(act)
+                ends = action_probe.action_ends(act)
                 right = [k for k, e in enumerate(ends) if carry[r, e - 1].item() == labels[r, q + 1].item()]
                 if len(right) == 1:
                     rows.append((h[r, q], act[ends[right[0]]], torch.stack([h[r, e] for e in ends]),
@@ -98,9 +94,7 @@ def main():
         model.load_state_dict(torch.load(path)["model"])
         model.eval()
         kept = tune_tools.attention_to_tool(model)
-        seen = []
-        model.model.layers[tune_tools.CARRY_LAYER].register_forward_pre_hook(
-            lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+        seen = action_probe.layer_input(model)
         rows = features(model, seen)
         req = linear([r[0] for r in rows], [r[1] for r in rows])
         tool = linear([k for r in rows for k in r[2]], [a for r in rows for a in r[3]])
@@ -113,7 +107,7 @@ def main():
                 kept.clear()
                 model(torch.tensor([ids]))
                 h = action_probe.rms(seen[-1][0])
-                ends = description_ends(action_probe.action_targets(ids))
+                ends = action_probe.action_ends(action_probe.action_targets(ids))
                 q = len(p) + head - 1
                 picked.append(names[((h[q] @ u) @ (h[ends] @ v).T).argmax().item()] == name)
                 mass = [kept[-1][0].mean(0)[q, e - 1:e + 1].sum().item() for e in ends]

@@ -83,6 +83,14 @@ def probe(model, examples):
     return {k: f"{v}/{len(examples)}" for k, v in stats.items()}, rows
 
 
+def report(model, probes) -> str:
+    """The held-out and generated probes' line (``probes``: (heldout_examples(), generated_examples(n)));
+    the model is left in training mode."""
+    held, gen = (probe(model, p)[0] for p in probes)
+    model.train()
+    return f"held-out {held} generated {gen}"
+
+
 def load(path):
     from export_target import load_dequantized
     from transformers import NemotronHForCausalLM

@@ -51,10 +51,7 @@ def tool_loss(model, step, rows):
 
 def probe(model, step, probes):
     import tool_probe
-    with torch.no_grad():
-        held, gen = (tool_probe.probe(model, p)[0] for p in probes)
-    model.train()
-    print(f"probe step {step}: held-out {held} generated {gen}", flush=True)
+    print(f"probe step {step}: {tool_probe.report(model, probes)}", flush=True)
 
 
 def lr_at(step, total):

@@ -286,11 +286,7 @@ def main(model=None):
             if args.attend_weight and not attend:
                 attend.append(attention_to_tool(model))
             if step % args.probe_every == 0:
-                model.eval()
-                h, _ = tool_probe.probe(model, probes[0])
-                g, _ = tool_probe.probe(model, probes[1])
-                model.train()
-                print(f"probe step {step}: held-out {h} generated {g}", flush=True)
+                print(f"probe step {step}: {tool_probe.report(model, probes)}", flush=True)
             k = hard_kind(step, args.corpus_every, args.ul_every)
             if k == "ul":
                 return unlikelihood(model, ul_prompts(step + 1), args.ul_tokens)   # ul_prompts alternates by step // 8
