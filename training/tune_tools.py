@@ -259,6 +259,11 @@ def main(model=None):
     ap.add_argument("--ul-tokens", type=int, default=UL_TOKENS, help="greedy tokens each unlikelihood prompt runs")
     ap.add_argument("--def-lines", type=float, default=0.0,
                     help="share of chat tasks asked by the function's first line alone (chat_data.DEF_LINE_SHARE)")
+    ap.add_argument("--chat-thoughts", choices=["summary", "short"], default="",
+                    help="thinking-on rows write a thought first: the task's summary, or short fixed "
+                         "sentences (chat_data.THOUGHTS)")
+    ap.add_argument("--qat", action="store_true",
+                    help="every forward sees the weights as step 4 exports them (nvfp4_qat.py)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
                     help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
@@ -274,6 +279,7 @@ def main(model=None):
             tool_data.HARD_SIZES = [2]
         tool_data.VOCAB_NAMES = args.vocab_names
         chat_data.DEF_LINE_SHARE = args.def_lines
+        chat_data.THOUGHTS = args.chat_thoughts
         global CARRY_SPAN
         CARRY_SPAN = args.carry_span
         if args.kinds:
@@ -302,12 +308,12 @@ def main(model=None):
             return loss, None
 
         model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY,
-                     model)
+                     model, args.qat)
         save_target(model, OUT, {"hard_steps": args.steps, "init": args.init, "lr": args.lr,
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts})
         return
 
     def step_loss(model, stream, step):
