@@ -91,9 +91,10 @@ def enable(model):
 
 def disable(model):
     """Back to the plain model (the unrounded weights stay the parameters)."""
-    for module, name, _ in roundings(model):
-        if parametrize.is_parametrized(module, name):
-            parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for name in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=False)
     return model
 
 

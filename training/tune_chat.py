@@ -96,9 +96,11 @@ def unlikelihood(model, prompts, max_tokens=UL_TOKENS):
     return total / max(count, 1), bad_n / max(count, 1)
 
 
-def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, model=None, qat=False):
+def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, model=None, qat=False,
+         keep_every=0):
     """The tuning loop of steps 3c and 3d from the shipped target's exported weights (or from
-    ``model``); ``qat``: every forward sees the weights as the export rounds them (nvfp4_qat.py):
+    ``model``); ``qat``: every forward sees the weights as the export rounds them (nvfp4_qat.py);
+    ``keep_every``: also keep the checkpoint of every such step as ``<ckpt stem>_<step>.pt``:
     ``step_loss(model, stream, step)`` gives (loss, repeated 4-gram share or None), every 20th
     step prints the answer loss of ``held_out()``'s batch; AdamW at constant ``lr``; checkpoints
     to ``ckpt`` every ``ckpt_every`` steps and resumes from it. Returns the model."""
@@ -134,6 +136,9 @@ def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, m
             print(f"step {step} unlikelihood {float(loss):.4f} repeated share {rep:.3f}", flush=True)
         if step % ckpt_every == 0 or step == steps:
             torch.save({"model": nvfp4_qat.plain_state_dict(model), "opt": opt.state_dict(), "step": step}, ckpt)
+        if keep_every and step % keep_every == 0:
+            torch.save({"model": nvfp4_qat.plain_state_dict(model), "step": step},
+                       ckpt.with_name(f"{ckpt.stem}_{step}.pt"))
     return nvfp4_qat.disable(model) if qat else model
 
 
