@@ -4,11 +4,12 @@ Found in session 15 (issue 41): a short tune from the shipped target is rounded 
 export. After 150 steps (tune_tools.py, lr 3e-4) the fp32 model opens its thinking with a thought
 (p("The") 0.64 against p("</") 0.28 after ``<think>\\n``), but its NVFP4 export closes the block
 at once again (p("</") 0.81; the shipped target: 0.87): most weight updates are smaller than an
-NVFP4 step. So every weight that step 4 quantizes (export_target.quant_cfg: the Mamba and MoE
-projections outside the layers kept in BF16) goes through the same rounding in the forward pass
-here: BF16, then NVFP4 (a per-tensor FP32 scale ``amax / (6 * 448)``, an FP8 E4M3 scale per
-block of 16 inputs, E2M1 values), each expert with its own tensor scale, as ModelOpt exports
-them; the gradient passes straight through the rounding (the straight-through estimator).
+NVFP4 step. So every weight goes through the export's rounding in the forward pass here:
+BF16 for all but the routers (FP32), then, for the Mamba and MoE projections outside the
+layers kept in BF16 (export_target.quant_cfg), NVFP4 (a per-tensor FP32 scale
+``amax / (6 * 448)``, each expert with its own, an FP8 E4M3 scale per block of 16 inputs, E2M1
+values with ModelOpt's ties); the gradient passes straight through the rounding (the
+straight-through estimator). ``main`` checks the rounding against a real export, tensor by tensor.
 
     python training/nvfp4_qat.py CKPT EXPORT_DIR   # the rounding here against EXPORT_DIR's bytes
 """
