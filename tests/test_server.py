@@ -105,7 +105,9 @@ def test_completion_greedy_equals_generate(client, pair, stream):
     prompt = f"import sys\n\ndef main(stream={stream}):\n"
     want = api.generate(pair, prompt, max_tokens=30, temperature=0)
     text, finish, usage = _complete(client, prompt, stream, max_tokens=30, temperature=0)
-    assert (text, usage.completion_tokens, finish) == (want.text, len(want.tokens), "length")
+    # the demo's code may end before 30 tokens: the same finish either way
+    assert (text, usage.completion_tokens, finish) == (want.text, len(want.tokens), want.stats.finish_reason)
+    assert len(want.tokens) >= 16
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -125,6 +125,8 @@ def main():
     ap.add_argument("--query-weight", type=float, default=0.0,
                     help="a second read-out: the request's action at the choosing position")
     ap.add_argument("--carry-weight", type=float, default=0.5)
+    ap.add_argument("--carry-head", action="store_true",
+                    help="the carry loss through a trained linear read-out, not the fixed lens")
     ap.add_argument("--attend-weight", type=float, default=1.0)
     ap.add_argument("--attend-ends", action="store_true",
                     help="the attend loss's right span: only the end of the right tool's description")
@@ -143,8 +145,10 @@ def main():
     seen = layer_input(model)
     head = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
     qhead = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
+    chead = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
     opt = torch.optim.AdamW([{"params": model.parameters()},
-                             {"params": list(head.parameters()) + list(qhead.parameters()), "lr": 3e-3}],
+                             {"params": list(head.parameters()) + list(qhead.parameters()) + list(chead.parameters()),
+                              "lr": 3e-3}],
                             lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)
     held_rows = [torch.tensor([p + r]) for p, r, *_ in probes[0]]
@@ -171,13 +175,20 @@ def main():
         act = torch.tensor([action_targets(row.tolist()) for row in ids])
         seen.clear()
         log = []
-        loss = tune_tools.weighted_answer_loss(model, ids, labels, weights, carry, args.carry_weight, log,
+        lens_carry = 0.0 if args.carry_head else args.carry_weight
+        loss = tune_tools.weighted_answer_loss(model, ids, labels, weights, carry, lens_carry, log,
                                                0.0, first, kept, 0.0 if args.attend_ends else args.attend_weight)
         if args.attend_ends:
             att, mass = tune_tools.attend_loss(kept[-1], description_ends(ids, carry)[:, :-1], labels[:, 1:],
                                                weights[:, 1:] == first)
             loss = loss + args.attend_weight * att
             log.append((att.item(), mass))
+        if args.carry_head:
+            cmask = carry[:, :-1] != -100
+            clogits = chead(rms(seen[-1][cmask]))
+            closs = F.cross_entropy(clogits, carry[:, :-1][cmask])
+            loss = loss + args.carry_weight * closs
+            log.append((closs.item(), (clogits.argmax(-1) == carry[:, :-1][cmask]).float().mean().item()))
         mask = act[:, :-1] != -100
         logits = head(rms(seen[-1][mask]))
         aux = F.cross_entropy(logits, act[:, :-1][mask])
@@ -192,7 +203,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters())
-                                       + list(qhead.parameters()), 1.0)
+                                       + list(qhead.parameters()) + list(chead.parameters()), 1.0)
         opt.step()
         if step % 10 == 0:
             print(f"step {step} loss {loss.item():.3f} action {aux.item():.3f} (acc, query acc {acc}) "

@@ -108,6 +108,17 @@ def example(split: str, index: int):
 
 
 DEF_LINE_SHARE = 0.0   # tune_tools.py --def-lines: the user turn is only the function's first line
+THOUGHTS = ""          # tune_tools.py --chat-thoughts: thinking-on rows write a thought before </think>
+SHORT_THOUGHT = "The user wants a Python function. I will write it."
+
+
+def thought(summary):
+    """A one-line thought about a task (the task's summary, or with --chat-thoughts short one
+    fixed sentence), then the closing tag."""
+    if THOUGHTS == "short":
+        return SHORT_THOUGHT + "\n</think>\n"
+    verb, rest = summary.split(" ", 1)
+    return f"The user asks for a function to {verb.lower()} {rest}.\n</think>\n"
 
 
 def draw(pool, rng):
@@ -124,7 +135,9 @@ def draw(pool, rng):
     thinking = rng.random() < 0.15
     tok = tokenizer()
     prompt = tok.encode(render(messages, thinking), add_special_tokens=False)
-    reply = ("</think>\n" if thinking else "") + answer(code)
+    wrote = THOUGHTS == "short" or (THOUGHTS and not bare)
+    opening = (thought(summary) if wrote else "</think>\n") if thinking else ""
+    reply = opening + answer(code)
     return prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
 
 

@@ -14,7 +14,7 @@ enough to choose, and where the layer itself looks.
 Hard calls are tool_data's (random vocabulary names, composed descriptions); read-outs fit on 3/4
 of 40 batches, scored on the rest.
 
-    PYTHONPATH=<testkit's parent>:training $FX training/choice_readouts.py CKPT [CKPT ...]
+    PYTHONPATH=<testkit's parent>:training $FX training/choice_readouts.py CKPT [CKPT ...] [--rounded]
 """
 import argparse
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import action_probe
 import chat_data
+import nvfp4_qat
 import tool_data
 import tool_probe
 import tune_tools
@@ -84,6 +85,7 @@ def bilinear(rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("ckpts", nargs="+")
+    ap.add_argument("--rounded", action="store_true", help="the weights as the export rounds them (nvfp4_qat.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tool_data.hard_call_options(vocab_names=True, composed=True)
@@ -92,6 +94,8 @@ def main():
     for path in args.ckpts:
         model = load_dequantized()
         model.load_state_dict(torch.load(path)["model"])
+        if args.rounded:
+            nvfp4_qat.enable(model)
         model.eval()
         kept = tune_tools.attention_to_tool(model)
         seen = action_probe.layer_input(model)

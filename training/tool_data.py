@@ -262,6 +262,8 @@ def result_and_answer(action, arg, content, rng, split):
 
 def thought(action, arg, name):
     verb = {"read": "read", "list": "list", "run": "run", "write": "write"}[action]
+    if chat_data.THOUGHTS == "short":   # the tool's name is left to the call
+        return f"The user wants me to {verb} {arg}."
     return f"The user wants me to {verb} {arg}. I will call {name}."
 
 
@@ -294,9 +296,8 @@ def draw(split, rng):
     if kind == "think":
         name, summary, code = rng.choice(chat_data.tasks(split))
         ask = chat_data.ask(name, summary, rng)
-        verb, rest = summary.split(" ", 1)
         prompt = chat_data.render([{"role": "user", "content": ask}], True)
-        reply = f"The user asks for a function to {verb.lower()} {rest}.\n</think>\n" + chat_data.answer(code)
+        reply = chat_data.thought(summary) + chat_data.answer(code)
     else:
         messages, tools, action, arg, name, args, content = conversation(split, rng)
         thinking = rng.random() < THINK_SHARE

@@ -11,7 +11,7 @@ demo_acts.py, their tool sets, rendered by the chat template as the server does)
   arg1:    the argmax at the argument's first token is right
   arg:     every argument token right (teacher-forced)
 
-    $FX training/tool_probe.py [CKPT ...] [--n 50]    # CKPT: a tune checkpoint (.pt) or an HF dir
+    $FX training/tool_probe.py [CKPT ...] [--n 50] [--rounded]    # CKPT: a tune checkpoint (.pt) or an HF dir
 """
 import argparse
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import chat_data
+import nvfp4_qat
 import tool_data
 from testkit.demo_acts import HELDOUT_REQUESTS, HELDOUT_TOOLS
 
@@ -107,11 +108,14 @@ def main():
     ap.add_argument("ckpts", nargs="+")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--rows", action="store_true")
+    ap.add_argument("--rounded", action="store_true", help="the weights as the export rounds them (nvfp4_qat.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     held, gen = heldout_examples(), generated_examples(args.n)
     for c in args.ckpts:
         model = load(c)
+        if args.rounded:
+            nvfp4_qat.enable(model)
         h, hrows = probe(model, held)
         g, grows = probe(model, gen)
         print(f"{c}: held-out {h}  generated {g}", flush=True)

@@ -18,6 +18,7 @@ Embedding and lm_head are the target's, frozen.
     /work/venv-fx/bin/python training/train_drafter.py [--steps N]
 """
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -73,8 +74,13 @@ def target_logits_from_taps(target, taps):
     return target.lm_head(target.model.norm_f(taps[..., -h:]))
 
 
+def export_key() -> str:
+    """Which exported target the cached taps belong to (a new target must not reuse them)."""
+    return hashlib.sha256((WORK / "target_nvfp4" / "model.safetensors").read_bytes()).hexdigest()[:12]
+
+
 def cached_windows(target, n_windows=N_WINDOWS):
-    path = WORK / f"drafter_taps_{n_windows}.pt"
+    path = WORK / f"drafter_taps_{n_windows}_{export_key()}.pt"
     if path.exists():
         return torch.load(path)
     stream = tokens("train")
@@ -97,7 +103,7 @@ def generated_windows(target, n_generated):
     Greedy speculation drafts against exactly such text (a small model's greedy output is
     far more repetitive than the corpus), so part of every batch comes from here, the way
     DSpark/DFlash drafters train on target-regenerated data."""
-    gen = WORK / f"drafter_generated_{n_generated}.pt"
+    gen = WORK / f"drafter_generated_{n_generated}_{export_key()}.pt"
     if gen.exists():
         return torch.load(gen)
     stream = tokens("train")

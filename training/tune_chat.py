@@ -24,8 +24,10 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 import chat_data
+import nvfp4_qat
 from common import THREADS, batch, resume, save_target, tokens
 from data import WORK
 from export_target import load_dequantized
@@ -94,9 +96,11 @@ def unlikelihood(model, prompts, max_tokens=UL_TOKENS):
     return total / max(count, 1), bad_n / max(count, 1)
 
 
-def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, model=None):
+def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, model=None, qat=False,
+         keep_every=0):
     """The tuning loop of steps 3c and 3d from the shipped target's exported weights (or from
-    ``model``):
+    ``model``); ``qat``: every forward sees the weights as the export rounds them (nvfp4_qat.py);
+    ``keep_every``: also keep the checkpoint of every such step as ``<ckpt stem>_<step>.pt``:
     ``step_loss(model, stream, step)`` gives (loss, repeated 4-gram share or None), every 20th
     step prints the answer loss of ``held_out()``'s batch; AdamW at constant ``lr``; checkpoints
     to ``ckpt`` every ``ckpt_every`` steps and resumes from it. Returns the model."""
@@ -107,9 +111,14 @@ def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, m
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = resume(ckpt, model, opt)
+    for group in opt.param_groups:   # a checkpoint's optimizer state brings its own lr: ours wins
+        group["lr"] = lr
+    if qat:
+        nvfp4_qat.enable(model)
     t0 = time.time()
     while step < steps:
-        loss, rep = step_loss(model, stream, step)
+        with parametrize.cached():   # the rounding once per step (qat)
+            loss, rep = step_loss(model, stream, step)
         opt.zero_grad(set_to_none=True)
         if loss.requires_grad:
             loss.backward()
@@ -126,8 +135,11 @@ def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, m
         if rep is not None:
             print(f"step {step} unlikelihood {float(loss):.4f} repeated share {rep:.3f}", flush=True)
         if step % ckpt_every == 0 or step == steps:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
-    return model
+            torch.save({"model": nvfp4_qat.plain_state_dict(model), "opt": opt.state_dict(), "step": step}, ckpt)
+        if keep_every and step % keep_every == 0:
+            torch.save({"model": nvfp4_qat.plain_state_dict(model), "step": step},
+                       ckpt.with_name(f"{ckpt.stem}_{step}.pt"))
+    return nvfp4_qat.disable(model) if qat else model
 
 
 def main():

@@ -30,6 +30,7 @@ import chat_data
 import tool_data
 from common import batch, save_target
 from data import WORK
+from export_target import load_dequantized
 from tune_chat import BATCH, answer_loss, padded, tune, unlikelihood
 import torch
 import torch.nn.functional as F
@@ -50,13 +51,13 @@ def answers(split, step, n=BATCH):
                    else chat_data.example(split, 2 * 10**6 + step * n + i) for i in range(n)])
 
 
-def ul_prompts(step):
+def ul_prompts(step, batch=None):
     """Chat prompts (a task's request or a bare def line) on even cycles, raw def lines on odd."""
     rng = random.Random(f"{SEED}-ul-{step}")
     tok = chat_data.tokenizer()
     pool = chat_data.tasks("train")
     out = []
-    for _ in range(UL_BATCH):
+    for _ in range(UL_BATCH if batch is None else batch):
         name, summary, code = rng.choice(pool)
         first = code.splitlines()[0]
         if (step // (4 if step < FIRST else 8)) % 2:
@@ -239,7 +240,8 @@ def main(model=None):
     ap.add_argument("--name-weight", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--ckpt", default=str(CKPT))
-    ap.add_argument("--init", help="a checkpoint to start --ckpt from (weights and optimizer; step 0)")
+    ap.add_argument("--init", help="a checkpoint to start --ckpt from (weights and optimizer; step 0), "
+                                   "or an export folder (its weights, a fresh optimizer)")
     ap.add_argument("--probe-every", type=int, default=25)
     ap.add_argument("--hard-share", type=int, default=HARD_SHARE, help="hard calls per answer batch")
     ap.add_argument("--multi-share", type=int, default=0, help="multi-call conversations per answer batch")
@@ -256,16 +258,28 @@ def main(model=None):
     ap.add_argument("--kinds", type=float, nargs=3, help="tool_data.example's call/result/think weights")
     ap.add_argument("--corpus-every", type=int, default=8, help="a corpus step every n (4, 8 or 16)")
     ap.add_argument("--ul-every", type=int, default=8, help="an unlikelihood step every n (4 or 8)")
+    ap.add_argument("--ul-batch", type=int, default=UL_BATCH, help="prompts per unlikelihood step")
     ap.add_argument("--ul-tokens", type=int, default=UL_TOKENS, help="greedy tokens each unlikelihood prompt runs")
     ap.add_argument("--def-lines", type=float, default=0.0,
                     help="share of chat tasks asked by the function's first line alone (chat_data.DEF_LINE_SHARE)")
+    ap.add_argument("--chat-thoughts", choices=["summary", "short"], default="",
+                    help="thinking-on rows write a thought first: the task's summary, or short fixed "
+                         "sentences (chat_data.THOUGHTS)")
+    ap.add_argument("--keep-every", type=int, default=0, help="keep every n-th step's checkpoint too")
+    ap.add_argument("--qat", action="store_true",
+                    help="every forward sees the weights as step 4 exports them (nvfp4_qat.py)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
                     help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
     tool_data.RANDOM_NAMES = args.random_names
     ckpt = Path(args.ckpt)
     if args.init and not ckpt.exists():
-        ck = torch.load(args.init)
+        if Path(args.init).is_dir():   # an export (4r's target_nvfp4_shipped: the shipped target)
+            start = load_dequantized(Path(args.init))
+            ck = {"model": start.state_dict(), "opt": torch.optim.AdamW(
+                start.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0).state_dict()}
+        else:
+            ck = torch.load(args.init)
         torch.save({**ck, "step": 0}, ckpt)
     if args.hard:
         import tool_probe
@@ -274,6 +288,7 @@ def main(model=None):
             tool_data.HARD_SIZES = [2]
         tool_data.VOCAB_NAMES = args.vocab_names
         chat_data.DEF_LINE_SHARE = args.def_lines
+        chat_data.THOUGHTS = args.chat_thoughts
         global CARRY_SPAN
         CARRY_SPAN = args.carry_span
         if args.kinds:
@@ -289,7 +304,7 @@ def main(model=None):
                 print(f"probe step {step}: {tool_probe.report(model, probes)}", flush=True)
             k = hard_kind(step, args.corpus_every, args.ul_every)
             if k == "ul":
-                return unlikelihood(model, ul_prompts(step + 1), args.ul_tokens)   # ul_prompts alternates by step // 8
+                return unlikelihood(model, ul_prompts(step + 1, args.ul_batch), args.ul_tokens)   # ul_prompts alternates by step // 8
             if k == "corpus":
                 x = batch(stream, 10**5 + step, BATCH, SEED)
                 return model(x[:, :-1], labels=x[:, :-1].clone()).loss, None
@@ -302,12 +317,12 @@ def main(model=None):
             return loss, None
 
         model = tune(args.steps, SEED, ckpt, step_loss, lambda: answers("heldout", 0, 16), args.lr, CKPT_EVERY,
-                     model)
+                     model, args.qat, args.keep_every)
         save_target(model, OUT, {"hard_steps": args.steps, "init": args.init, "lr": args.lr,
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts})
         return
 
     def step_loss(model, stream, step):
