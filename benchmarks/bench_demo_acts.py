@@ -5,7 +5,8 @@ distinct 4-grams in 64 greedy tokens on the README's and docs' example prompts p
 chat prompts, and DSpark's tokens per round over them (testkit/demo_acts.py holds the prompts and
 the checks). Prints JSON.
 
-    python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo"""
+    python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo
+    python benchmarks/bench_demo_acts.py --sampled-thinking 3   # also thinking at temperature 1, seeds 0-2"""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from testkit import demo_acts
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--pair", metavar="DIR", help="a folder holding target/ and drafter/")
+    p.add_argument("--sampled-thinking", type=int, default=0, metavar="N",
+                   help="also the thinking checks sampled at temperature 1 with seeds 0..N-1")
     args = p.parse_args(argv)
 
     def load():
@@ -31,6 +34,8 @@ def main(argv=None):
     try:
         tools = demo_acts.tool_checks(client, "mlx-dspark-demo")
         thinking = demo_acts.thinking_checks(client, "mlx-dspark-demo")
+        sampled = [r for seed in range(args.sampled_thinking)
+                   for r in demo_acts.thinking_checks(client, "mlx-dspark-demo", 1.0, seed)]
     finally:
         engine.stop()
     for row in tools:
@@ -46,6 +51,9 @@ def main(argv=None):
         "thinking_closed_within_64": f"{sum(r['closed'] for r in thinking)}/{len(thinking)}",
         "distinct_4grams_worst": loops["worst"], "distinct_4grams_mean": loops["mean"],
         "tokens_per_round": loops["tokens_per_round"]}
+    if sampled:
+        summary["thinking_closed_within_64_at_temperature_1"] = \
+            f"{sum(r['closed'] for r in sampled)}/{len(sampled)}"
     print(json.dumps(summary, indent=1))
 
 

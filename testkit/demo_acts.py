@@ -122,18 +122,20 @@ def tool_checks(client, model: str) -> list[dict]:
     return out
 
 
-def thinking_checks(client, model: str) -> list[dict]:
+def thinking_checks(client, model: str, temperature: float = 0.0, seed: int | None = None) -> list[dict]:
     """With thinking on, through the server: per held-out chat prompt (no tools) and per
     held-out tool request (its tools offered, as an agent sends them), the thought's length
     in tokens (its closing tag included) and whether the reply wrote a thought, closed it
-    within THINK_TOKENS and then answered (text or a call)."""
+    within THINK_TOKENS and then answered (text or a call). Greedy unless ``temperature``
+    (then sampled with ``seed``), as an agent such as Claude Code samples at 1."""
     asks = [(p, None) for p in CHAT_PROMPTS[:5]] + [(ask, HELDOUT_TOOLS[k])
                                                      for k, ask, *_ in HELDOUT_REQUESTS]
     out = []
     for ask, tools in asks:
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": ask}], max_tokens=THINK_TOKENS + 64,
-            temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+            temperature=temperature, seed=seed,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
             **({"tools": tools} if tools else {}))
         m = r.choices[0].message
         thought = (m.model_extra or {}).get("reasoning_content") or ""
