@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -97,9 +98,13 @@ def router(litellm, replicas):
     return litellm.Router(model_list=config["model_list"], **config["router_settings"])
 
 
-def _served(url) -> int:
+def _health(url) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
-        return json.load(r)["served"]
+        return json.load(r)
+
+
+def _served(url) -> int:
+    return _health(url)["served"]
 
 
 def _direct(url, prompt, **kw) -> str:
@@ -143,6 +148,15 @@ def test_requests_reach_both_replicas_with_the_answers_each_gives_directly(route
     assert offline == []
 
 
+NO_EOS = {"2": -100}   # the demo's end of sequence never drawn: the long request stays long
+
+
+def _until_a_replica_decodes(replicas):
+    """Returns once a replica's /health shows a row in its batch (the request is in flight)."""
+    while not any(_health(u)["batch"]["size"] for u in replicas):
+        time.sleep(0.01)
+
+
 def test_a_session_stays_on_its_replica_and_its_prompt_cache(router, replicas, offline):
     before = {u: _served(u) for u in replicas}
     messages = [{"role": "system", "content": "You complete Python code."},
@@ -157,8 +171,9 @@ def test_a_session_stays_on_its_replica_and_its_prompt_cache(router, replicas, o
         # sends that turn to the other; later turns find both idle, where least-busy alone
         # would take the first replica again: only the session pin keeps them where they were
         busy = asyncio.create_task(router.acompletion(model="lightning", messages=[
-            {"role": "user", "content": "Write a long story."}], temperature=0, max_tokens=256))
-        await asyncio.sleep(0.3)
+            {"role": "user", "content": "Write a long story."}], temperature=0, max_tokens=256,
+            logit_bias=NO_EOS))
+        await asyncio.to_thread(_until_a_replica_decodes, replicas)
         turns = []
         for turn in range(3):
             r = await ask(messages, "user-a")
@@ -170,6 +185,7 @@ def test_a_session_stays_on_its_replica_and_its_prompt_cache(router, replicas, o
         return busy, turns
 
     busy, turns = asyncio.run(conversation())
+    assert busy.usage.completion_tokens == 256          # it did not end by itself
     busy_url = busy._hidden_params["api_base"].removesuffix("/v1")
     (session_url,) = set(replicas) - {busy_url}
     assert {r._hidden_params["api_base"] for r in turns} == {session_url + "/v1"}
