@@ -108,6 +108,7 @@ def example(split: str, index: int):
 
 
 DEF_LINE_SHARE = 0.0   # tune_tools.py --def-lines: the user turn is only the function's first line
+THINK_SHARE = 0.15     # tune_tools.py --think-share: chat rows with thinking on
 THOUGHTS = ""          # tune_tools.py --chat-thoughts: thinking-on rows write a thought before </think>
 SHORT_THOUGHT = "The user wants a Python function. I will write it."
 
@@ -132,7 +133,7 @@ def draw(pool, rng):
                      {"role": "assistant", "content": answer(c0)}]
     bare = DEF_LINE_SHARE and rng.random() < DEF_LINE_SHARE   # as `generate -p "def f(x):"` sends it
     messages.append({"role": "user", "content": code.splitlines()[0] if bare else ask(name, summary, rng)})
-    thinking = rng.random() < 0.15
+    thinking = rng.random() < THINK_SHARE
     tok = tokenizer()
     prompt = tok.encode(render(messages, thinking), add_special_tokens=False)
     wrote = THOUGHTS == "short" or (THOUGHTS and not bare)

@@ -265,6 +265,8 @@ def main(model=None):
     ap.add_argument("--chat-thoughts", choices=["summary", "short"], default="",
                     help="thinking-on rows write a thought first: the task's summary, or short fixed "
                          "sentences (chat_data.THOUGHTS)")
+    ap.add_argument("--think-share", type=float, default=chat_data.THINK_SHARE,
+                    help="share of chat tasks with thinking on (chat_data.THINK_SHARE)")
     ap.add_argument("--keep-every", type=int, default=0, help="keep every n-th step's checkpoint too")
     ap.add_argument("--qat", action="store_true",
                     help="every forward sees the weights as step 4 exports them (nvfp4_qat.py)")
@@ -289,6 +291,7 @@ def main(model=None):
         tool_data.VOCAB_NAMES = args.vocab_names
         chat_data.DEF_LINE_SHARE = args.def_lines
         chat_data.THOUGHTS = args.chat_thoughts
+        chat_data.THINK_SHARE = args.think_share
         global CARRY_SPAN
         CARRY_SPAN = args.carry_span
         if args.kinds:
