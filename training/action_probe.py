@@ -94,12 +94,18 @@ def action_ends(act):
     return [i for i in range(1, len(act) - 1) if act[i] != -100 and act[i + 1] == -100]
 
 
-def description_ends(ids, carry):
+def batch_targets(ids):
+    """action_targets of each row of a batch, as a tensor."""
+    return torch.tensor([action_targets(row.tolist()) for row in ids])
+
+
+def description_ends(act, carry):
     """carry_targets' labels (the tool's name's first token) kept only on the last word of each
-    description and the ``</`` after it: where its action is readable (--attend-ends)."""
+    description and the ``</`` after it (``act``: batch_targets), where its action is readable
+    (--attend-ends)."""
     out = torch.full(carry.shape, -100)
-    for r in range(ids.shape[0]):
-        for e in action_ends(action_targets(ids[r].tolist())):
+    for r in range(act.shape[0]):
+        for e in action_ends(act[r].tolist()):
             out[r, e - 1:e + 1] = carry[r, e - 1]
     return out
 
@@ -145,10 +151,12 @@ def main():
     seen = layer_input(model)
     head = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
     qhead = torch.nn.Linear(model.config.hidden_size, len(ACTIONS))
-    chead = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
-    opt = torch.optim.AdamW([{"params": model.parameters()},
-                             {"params": list(head.parameters()) + list(qhead.parameters()) + list(chead.parameters()),
-                              "lr": 3e-3}],
+    heads = [head, qhead]
+    if args.carry_head:
+        chead = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
+        heads.append(chead)
+    head_params = [p for h in heads for p in h.parameters()]
+    opt = torch.optim.AdamW([{"params": model.parameters()}, {"params": head_params, "lr": 3e-3}],
                             lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)
     held_rows = [torch.tensor([p + r]) for p, r, *_ in probes[0]]
@@ -172,14 +180,14 @@ def main():
         if step == args.steps:
             break
         ids, labels, weights, carry = tune_tools.hard_answers(step, 4, 8, 8, 0, 0, first)
-        act = torch.tensor([action_targets(row.tolist()) for row in ids])
+        act = batch_targets(ids)
         seen.clear()
         log = []
         lens_carry = 0.0 if args.carry_head else args.carry_weight
         loss = tune_tools.weighted_answer_loss(model, ids, labels, weights, carry, lens_carry, log,
                                                0.0, first, kept, 0.0 if args.attend_ends else args.attend_weight)
         if args.attend_ends:
-            att, mass = tune_tools.attend_loss(kept[-1], description_ends(ids, carry)[:, :-1], labels[:, 1:],
+            att, mass = tune_tools.attend_loss(kept[-1], description_ends(act, carry)[:, :-1], labels[:, 1:],
                                                weights[:, 1:] == first)
             loss = loss + args.attend_weight * att
             log.append((att.item(), mass))
@@ -202,8 +210,7 @@ def main():
             acc = (acc, round((qlogits.argmax(-1) == qt[qt != -100]).float().mean().item(), 2))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters())
-                                       + list(qhead.parameters()) + list(chead.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + head_params, 1.0)
         opt.step()
         if step % 10 == 0:
             print(f"step {step} loss {loss.item():.3f} action {aux.item():.3f} (acc, query acc {acc}) "

@@ -46,7 +46,7 @@ def main():
         ids, labels, weights, carry = (tune_tools.hard_answers(step, 4, 8, 8, 0, 0, first) if args.ends
                                        else tune_tools.hard_answers(step, 4, 8, 7, 1, 0, first))
         if args.ends:
-            carry = action_probe.description_ends(ids, carry)
+            carry = action_probe.description_ends(action_probe.batch_targets(ids), carry)
         kept.clear()
         model(ids[:, :-1])
         loss, mass = tune_tools.attend_loss(kept[-1], carry[:, :-1], labels[:, 1:], weights[:, 1:] == first)

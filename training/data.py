@@ -6,6 +6,7 @@ so held-out perplexity and acceptance are measured on code the models never saw.
 
     /work/venv-fx/bin/python training/data.py        # writes training/work/{train,heldout}.txt
 """
+import hashlib
 import json
 import random
 import sys
@@ -17,6 +18,11 @@ SEED = 1234
 HELDOUT_FRACTION = 0.05
 # Test suites are huge and repetitive; site-packages is not the standard library.
 SKIP_PARTS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def file_key(path) -> str:
+    """The first 12 hex digits of a file's SHA-256: which weights a cache was made from."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
 
 
 def stdlib_dir():

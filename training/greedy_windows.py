@@ -17,20 +17,19 @@ regenerates them. Runtime's Python (with the `train` extra for the chat template
 
     .venv-train/bin/python training/greedy_windows.py     # builds the default sets
 """
-import hashlib
 import re
 
 import numpy as np
 
 import chat_data
 from common import SEQ_LEN, tokens
-from data import WORK
+from data import WORK, file_key
 
 GEN_PREFIX = 96
 
 
 def target_key() -> str:
-    return hashlib.sha256((chat_data.DEMO / "model.safetensors").read_bytes()).hexdigest()[:12]
+    return file_key(chat_data.DEMO / "model.safetensors")
 
 
 def _pair():

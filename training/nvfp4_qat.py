@@ -25,9 +25,13 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])   # midpoints; ties go to the even code
 
 
+def bf16(w):
+    return w.to(torch.bfloat16).float()
+
+
 def nvfp4(w):
     """``w`` (rows x inputs) rounded as the export rounds it: BF16, then NVFP4, dequantized."""
-    w = w.to(torch.bfloat16).float()
+    w = bf16(w)
     tensor_scale = w.abs().amax().clamp(min=1e-12) / (6.0 * 448.0)
     blocks = w.reshape(*w.shape[:-1], -1, BLOCK)
     block_scale = (blocks.abs().amax(-1, keepdim=True) / (6.0 * tensor_scale)).to(torch.float8_e4m3fn).float()
@@ -37,10 +41,6 @@ def nvfp4(w):
     code = torch.searchsorted(BOUNDS, a) + (a.unsqueeze(-1) == BOUNDS[1::2]).any(-1)
     q = E2M1[code] * x.sign()
     return (q * scale).reshape(w.shape)
-
-
-def bf16(w):
-    return w.to(torch.bfloat16).float()
 
 
 def nvfp4_tensor(w):

@@ -18,7 +18,6 @@ Embedding and lm_head are the target's, frozen.
     /work/venv-fx/bin/python training/train_drafter.py [--steps N]
 """
 import argparse
-import hashlib
 import json
 import math
 import time
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from common import SEQ_LEN, THREADS, resume, tokens
-from data import WORK
+from data import WORK, file_key
 from drafter_io import target_taps
 from drafter_model import DrafterConfig, DSparkDrafter, block_mask
 from export_target import load_dequantized
@@ -76,7 +75,7 @@ def target_logits_from_taps(target, taps):
 
 def export_key() -> str:
     """Which exported target the cached taps belong to (a new target must not reuse them)."""
-    return hashlib.sha256((WORK / "target_nvfp4" / "model.safetensors").read_bytes()).hexdigest()[:12]
+    return file_key(WORK / "target_nvfp4" / "model.safetensors")
 
 
 def cached_windows(target, n_windows=N_WINDOWS):
