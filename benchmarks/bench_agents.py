@@ -13,7 +13,7 @@ writes a call to the client's shell tool, then an answer), to time the clients a
 prompt cache; ``--demo`` runs Codex and opencode on the demo pair, whose calls and answers are
 the model's own (issue 41; its transcript is docs/serve.md's). The long prompt runs on the demo
 pair, and the request is dropped after ``--pings`` keep-alives (its prefill stops at the next
-piece). Without npm on PATH it says so and exits 2."""
+piece). Without npm on PATH it says so and exits 1."""
 
 from __future__ import annotations
 

@@ -85,16 +85,11 @@ def check_heldout():
     """No held-out agent request (agent_turns.AGENT_REQUESTS) is a training phrasing."""
     import re
 
-    phrasings = [".*".join(re.escape(part) for part in re.split(r"\{\w\}", a))
-                 for asks in tool_data.ASKS.values() for a in asks] + \
-        [re.escape(a) for a in HERE_ASKS]
+    patterns = tool_data.phrasings(tool_data.ASKS) + [re.escape(a) for a in HERE_ASKS]
     for _, ask, *_ in agent_turns.AGENT_REQUESTS:
-        assert not any(re.fullmatch(p, ask) for p in phrasings), ask
+        assert not any(re.fullmatch(p, ask) for p in patterns), ask
 
 
 if __name__ == "__main__":
     check_heldout()
-    tok = chat_data.tokenizer()
-    for i in range(4):
-        p, a = example("train", i)
-        print(f"--- {len(p)} + {len(a)} tokens\n{tok.decode(p[-80:])}\x1b[1m{tok.decode(a)}\x1b[0m")
+    tool_data.show(example("train", i) for i in range(4))
