@@ -4,19 +4,23 @@ to first byte and keep-alive cadence of a streamed /v1/messages request on a lon
 
     python benchmarks/bench_agents.py [--dir benchmarks/agents] [--long 27000] [--json OUT]
     python benchmarks/bench_agents.py --together    # Claude Code and opencode in one batch
+    python benchmarks/bench_agents.py --demo        # Codex and opencode on the demo pair itself
 
 The clients are installed with npm into ``--dir`` (its ``package.json`` pins them; never into
 the runtime), and each runs in a fresh ``HOME`` with a dummy key: no login, no network beyond
-127.0.0.1. The turns run on the scripted stand-in target (``testkit.scripted``: it
-writes a call to the client's shell tool, then an answer, since the tiny demo model never
-writes a valid call); the long prompt runs on the demo pair, and the request is dropped after
-``--pings`` keep-alives (its prefill stops at the next piece)."""
+127.0.0.1. The default turns run on the scripted stand-in target (``testkit.scripted``: it
+writes a call to the client's shell tool, then an answer), to time the clients and the
+prompt cache; ``--demo`` runs Codex and opencode on the demo pair, whose calls and answers are
+the model's own (issue 41; its transcript is docs/serve.md's). The long prompt runs on the demo
+pair, and the request is dropped after ``--pings`` keep-alives (its prefill stops at the next
+piece). Without npm on PATH it says so and exits 1."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +43,9 @@ FIXTURE = ROOT / "tests" / "fixtures" / "agents" / "claude_code.json"
 
 def install(folder: Path) -> dict:
     """The clients' executables, npm-installed into ``folder`` (once)."""
+    if shutil.which("npm") is None:
+        sys.exit("bench_agents.py: npm is not on PATH. Claude Code, Codex and opencode are npm "
+                 "packages; install Node.js (with npm) to run them.")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "package.json").write_text(json.dumps(
         {"name": "mlx-dspark-agents-bench", "private": True, "dependencies": PACKAGES},
@@ -99,17 +106,22 @@ def claude_turns(claude: Path) -> dict:
     return out
 
 
-def codex_turn(codex: Path) -> dict:
-    proc, url = scripted([CALL.format(name="exec_command", key="cmd"), ANSWER])
+def codex_env(url: str, model: str = "gpt-5.5") -> tuple[Path, dict]:
+    """A project folder and the environment that points Codex at ``url`` (docs/serve.md)."""
     home, work = workdir()
     config = home / "codex"
     config.mkdir()
     (config / "config.toml").write_text(
-        'model = "gpt-5.5"\nmodel_provider = "dspark"\n\n[model_providers.dspark]\n'
+        f'model = "{model}"\nmodel_provider = "dspark"\n\n[model_providers.dspark]\n'
         f'name = "mlx-dspark"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
         'env_key = "DSPARK_API_KEY"\n')
-    env = dict(os.environ, HOME=str(home), PWD=str(work), CODEX_HOME=str(config),
-               DSPARK_API_KEY="sk-local")
+    return work, dict(os.environ, HOME=str(home), PWD=str(work), CODEX_HOME=str(config),
+                      DSPARK_API_KEY="sk-local")
+
+
+def codex_turn(codex: Path) -> dict:
+    proc, url = scripted([CALL.format(name="exec_command", key="cmd"), ANSWER])
+    work, env = codex_env(url)
     try:
         t0 = time.monotonic()
         r = subprocess.run([codex, "exec", "--skip-git-repo-check", "List the files here"],
@@ -121,6 +133,48 @@ def codex_turn(codex: Path) -> dict:
             "ran_ls": "README.md" in text, "answered": ANSWER in text, "tail": text[-600:]}
 
 
+def opencode_config(work: Path, url: str, max_tokens: int) -> None:
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json", "model": "dspark/mlx-dspark-demo",
+        "provider": {"dspark": {"npm": "@ai-sdk/openai-compatible", "name": "mlx-dspark",
+                                "options": {"baseURL": f"{url}/v1", "apiKey": "sk-local"},
+                                "models": {"mlx-dspark-demo": {
+                                    "name": "mlx-dspark demo",
+                                    "limit": {"context": 65536, "output": max_tokens}}}}}}))
+
+
+def demo_turns(bins: dict, pair: str | None = None, timeout: float = 600) -> dict:
+    """Codex (``codex exec --json``, Responses API) and opencode (``opencode run``, chat
+    completions) on the demo pair (or ``pair``: a folder holding target/ and drafter/) through
+    ``serve``: the calls the model chose, what the client ran, and its answer. One server, each
+    reply capped at 256 tokens (the clients send no limit); the turns run one after the other."""
+    where = ["--model", f"{pair}/target", "--drafter", f"{pair}/drafter"] if pair else []
+    proc, url = launch([*where, "--max-tokens", "256"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    out = {}
+    try:
+        work, env = codex_env(url, "mlx-dspark-demo")
+        (work / "main.py").write_text("print('hello')\n")
+        r = subprocess.run([bins["codex"], "exec", "--json", "--skip-git-repo-check",
+                            "List the files here"], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=timeout)
+        events = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+        items = [e["item"] for e in events if e.get("type") == "item.completed"]
+        out["codex"] = {"exit": r.returncode, "events": events,
+                        "ran": [i["command"] for i in items if i["type"] == "command_execution"],
+                        "answer": next((i["text"] for i in reversed(items)
+                                        if i["type"] == "agent_message"), None)}
+        home, work = workdir()
+        opencode_config(work, url, 256)
+        r = subprocess.run([bins["opencode"], "run", "Read README.md and say what this project is."],
+                           cwd=work, env=dict(os.environ, HOME=str(home), PWD=str(work)),
+                           capture_output=True, text=True, timeout=timeout)
+        out["opencode"] = {"exit": r.returncode, "output": r.stdout + r.stderr}
+    finally:
+        stop(proc)
+    return out
+
+
 def together(bins: dict, prompt: str = "Read README.md and say what this project is.",
              max_tokens: int = 256, seconds: float = 300) -> dict:
     """Claude Code (Anthropic Messages, adaptive thinking) and opencode (chat completions)
@@ -130,13 +184,7 @@ def together(bins: dict, prompt: str = "Read README.md and say what this project
     proc, url = launch(["--max-batch", "4"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
     home, work = workdir()
-    (work / "opencode.json").write_text(json.dumps({
-        "$schema": "https://opencode.ai/config.json", "model": "dspark/mlx-dspark-demo",
-        "provider": {"dspark": {"npm": "@ai-sdk/openai-compatible", "name": "mlx-dspark",
-                                "options": {"baseURL": f"{url}/v1", "apiKey": "sk-local"},
-                                "models": {"mlx-dspark-demo": {
-                                    "name": "mlx-dspark demo",
-                                    "limit": {"context": 65536, "output": max_tokens}}}}}}))
+    opencode_config(work, url, max_tokens)
     # each reply bounded (the demo model writes until its limit): the point is the batch
     env = dict(os.environ, HOME=str(home), PWD=str(work), ANTHROPIC_BASE_URL=url,
                ANTHROPIC_API_KEY="sk-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
@@ -222,10 +270,14 @@ def main(argv=None):
     p.add_argument("--json", type=Path)
     p.add_argument("--together", action="store_true",
                    help="only Claude Code and opencode at once against one batched server")
+    p.add_argument("--demo", action="store_true",
+                   help="only Codex and opencode on the demo pair, the model choosing the calls")
+    p.add_argument("--pair", metavar="DIR", help="with --demo: this pair (DIR/target, DIR/drafter)")
     args = p.parse_args(argv)
     bins = install(args.dir)
-    if args.together:
-        print(json.dumps(together(bins), indent=2))
+    if args.together or args.demo:
+        print(json.dumps(together(bins) if args.together else demo_turns(bins, args.pair),
+                         indent=2))
         return
     report = {"claude_code": claude_turns(bins["claude"]), "codex": codex_turn(bins["codex"])}
     if args.long:

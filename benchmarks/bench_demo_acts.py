@@ -3,7 +3,9 @@ tool and argument on "auto", a forced call that closes within 64 tokens, an answ
 tool's result that stops within 128), thinking that closes within 64 tokens, and the share of
 distinct 4-grams in 64 greedy tokens on the README's and docs' example prompts plus 20 held-out
 chat prompts, and DSpark's tokens per round over them (testkit/demo_acts.py holds the prompts and
-the checks). Prints JSON.
+the checks); and Codex's and opencode's recorded requests with held-out user turns: the agent's
+own tool called with what the user named, then an answer that ends (testkit/agent_turns.py).
+Prints JSON.
 
     python benchmarks/bench_demo_acts.py [--pair DIR]   # DIR/target and DIR/drafter; default the demo
     python benchmarks/bench_demo_acts.py --sampled-thinking 3   # also thinking at temperature 1, seeds 0-2"""
@@ -17,7 +19,7 @@ import json
 
 import mlx_dspark as md
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testkit/, from the checkout
-from testkit import demo_acts
+from testkit import agent_turns, demo_acts
 
 
 def main(argv=None):
@@ -38,7 +40,12 @@ def main(argv=None):
                    for r in demo_acts.thinking_checks(client, "mlx-dspark-demo", 1.0, seed)]
     finally:
         engine.stop()
-    for row in tools:
+    engine, client = demo_acts.served(load, cache_bytes=256 << 20)
+    try:
+        agents = agent_turns.agent_checks(client)
+    finally:
+        engine.stop()
+    for row in tools + agents:
         print(json.dumps(row), flush=True)
     for row in thinking:
         print(json.dumps(row), flush=True)
@@ -49,6 +56,8 @@ def main(argv=None):
         "forced_calls_closed_within_64": f"{sum(r['forced_closed'] for r in tools)}/{len(tools)}",
         "answers_stopped_within_128": f"{sum(r['answer_finish'] == 'stop' for r in tools)}/{len(tools)}",
         "thinking_closed_within_64": f"{sum(r['closed'] for r in thinking)}/{len(thinking)}",
+        "agent_calls_right": f"{sum(r['right'] for r in agents)}/{len(agents)}",
+        "agent_answers_ended": f"{sum(r['answered'] for r in agents)}/{len(agents)}",
         "distinct_4grams_worst": loops["worst"], "distinct_4grams_mean": loops["mean"],
         "tokens_per_round": loops["tokens_per_round"]}
     if sampled:

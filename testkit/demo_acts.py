@@ -166,10 +166,11 @@ def loop_checks(pair) -> dict:
             "each": each, "tokens_per_round": round(rate, 3)}
 
 
-def served(load=None, speculative: str = "on"):
+def served(load=None, speculative: str = "on", cache_bytes: int = 0):
     """The real app and engine in this process on the pair ``load()`` returns (default: the
     demo pair), and the official ``openai`` client on it: (engine, client); stop the engine
-    when done."""
+    when done. ``cache_bytes``: its prompt cache (agents' requests share 9,000-token
+    prefixes)."""
     import openai
     from starlette.testclient import TestClient
 
@@ -177,7 +178,7 @@ def served(load=None, speculative: str = "on"):
     from mlx_dspark.serve.app import create_app
     from mlx_dspark.serve.engine import Engine
 
-    engine = Engine(load or api.load, max_queue=4, cache_bytes=0)
+    engine = Engine(load or api.load, max_queue=4, cache_bytes=cache_bytes)
     engine.start()
     http = TestClient(create_app(engine, "mlx-dspark-demo", defaults={"speculative": speculative}),
                       base_url="http://localhost")

@@ -565,14 +565,24 @@ def check_heldout():
             assert t["function"]["name"] not in train_names, t["function"]["name"]
             assert not set(t["function"]["parameters"]["properties"]) & train_params, t
             assert t["function"]["description"] not in train_descriptions, t
-    phrasings = [".+".join(re.escape(part) for part in re.split(r"\{\w\}", a))
-                 for asks in HARD_ASKS.values() for a in asks]
+    patterns = phrasings()
     for _, ask, *_ in HELDOUT_REQUESTS:
-        assert not any(re.fullmatch(p, ask) for p in phrasings), ask
+        assert not any(re.fullmatch(p, ask) for p in patterns), ask
+
+
+def phrasings(asks=None):
+    """Every training request phrasing (HARD_ASKS holds ASKS) as a regex, a slot matching any
+    text."""
+    return [".+".join(re.escape(part) for part in re.split(r"\{\w\}", a))
+            for group in (asks or HARD_ASKS).values() for a in group]
+
+
+def show(draws):
+    """Print (prompt, reply) pairs: each prompt's end, then its reply in bold."""
+    tok = chat_data.tokenizer()
+    for p, a in draws:
+        print(f"--- {len(p)} + {len(a)} tokens\n{tok.decode(p[-200:])}\x1b[1m{tok.decode(a)}\x1b[0m")
 
 if __name__ == "__main__":
     check_heldout()
-    tok = chat_data.tokenizer()
-    for i in range(6):
-        p, a = example("train", i)
-        print(f"--- {len(p)} + {len(a)} tokens\n{tok.decode(p[-200:])}\x1b[1m{tok.decode(a)}\x1b[0m")
+    show(example("train", i) for i in range(6))

@@ -26,6 +26,7 @@ import random
 from pathlib import Path
 
 
+import agent_data
 import chat_data
 import tool_data
 from common import batch, save_target
@@ -230,6 +231,87 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
     return loss
 
 
+def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
+    """The answer loss on ``rows`` agent turns (agent_data.example), the called name and the
+    arguments' first tokens weighted by ``weight`` (copy_weights), one forward each: a turn is
+    8,000-10,000 tokens, and padding short rows to it would cost as much again. With
+    ``attend_weight``, plus last_turn_loss on the calls' argument tokens."""
+    losses = []
+    for i in range(rows):
+        prompt, reply = agent_data.example("train", step * rows + i)
+        ids = torch.tensor([prompt + reply])
+        labels = torch.tensor([[-100] * len(prompt) + reply])
+        weights = torch.tensor([copy_weights(prompt + reply, weight)]) * (labels != -100)
+        kept = []
+        hook = model.model.layers[CARRY_LAYER].mixer.register_forward_pre_hook(
+            lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]),
+            with_kwargs=True) if attend_weight else None
+        loss = weighted_answer_loss(model, ids, labels, weights)
+        if hook is not None:
+            hook.remove()
+            queries = [len(prompt) + j - 1 for j in value_positions(reply)]
+            if queries:
+                att, mass = last_turn_loss(model, kept[0][0], prompt, queries)
+                loss = loss + attend_weight * att
+                if log is not None:
+                    log.append(round(mass, 3))
+        losses.append(loss)
+    return sum(losses) / rows
+
+
+def value_positions(reply):
+    """Indices in ``reply`` of the tokens of every parameter value of its calls."""
+    tok = chat_data.tokenizer()
+    lt, par, gt, nl, close = (tok.convert_tokens_to_ids(t) for t in ("<", "parame", ">", "\n", "</"))
+    out, i = [], 0
+    while i < len(reply) - 1:
+        if reply[i] == lt and reply[i + 1] == par:
+            j = reply.index(gt, i) + 2                  # ">" then "\n": the value starts
+            while j < len(reply) - 1 and not (reply[j] == nl and reply[j + 1] == close):
+                out.append(j)
+                j += 1
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def last_turn_loss(model, h, prompt, queries):
+    """-log of the attention mass (mean over heads) that the attention layer puts, at each of
+    ``queries``, on the prompt's last turn (from its last ``<|im_start|>`` but the reply's own,
+    which the demo's tokenizer spells in 7 pieces): where the user
+    named the command or file, 9,000 tokens after instructions full of other commands. ``h``:
+    that layer's input; its queries and keys recomputed (no positions: Nemotron-H's attention
+    has none)."""
+    tok = chat_data.tokenizer()
+    mark = tok.encode("<|im_start|>", add_special_tokens=False)
+    start = [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
+    attn = model.model.layers[CARRY_LAYER].mixer
+    n, d = attn.config.num_attention_heads, attn.head_dim
+    q = attn.q_proj(h[queries]).view(len(queries), n, d)                  # (Q, heads, d)
+    k = attn.k_proj(h).view(h.shape[0], -1, d).repeat_interleave(attn.num_key_value_groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * attn.scaling
+    causal = torch.arange(h.shape[0])[None, :] > torch.tensor(queries)[:, None]
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    mass = probs[:, :, start:len(prompt)].sum(-1).mean(0)                  # (Q,)
+    return -torch.log(mass.clamp_min(1e-6)).mean(), mass.mean().item()
+
+
+def agent_probe(model, n=4) -> str:
+    """Teacher-forced on ``n`` held-out agent turns (calls and answers, both agents): the
+    share of reply tokens the model's argmax gets right, and of whole replies."""
+    right = whole = total = 0
+    with torch.no_grad():
+        for i in range(n):
+            ids, labels = padded([agent_data.example("heldout", i)])
+            hit = model(ids[:, :-1]).logits.argmax(-1) == labels[:, 1:]
+            mask = labels[:, 1:] != -100
+            right += (hit & mask).sum().item()
+            total += mask.sum().item()
+            whole += bool(hit[mask].all())
+    return f"agent tokens {right}/{total}, whole replies {whole}/{n}"
+
+
 def main(model=None):
     """``model``: tune this one instead of the shipped target's exported weights."""
     ap = argparse.ArgumentParser()
@@ -270,6 +352,11 @@ def main(model=None):
     ap.add_argument("--keep-every", type=int, default=0, help="keep every n-th step's checkpoint too")
     ap.add_argument("--qat", action="store_true",
                     help="every forward sees the weights as step 4 exports them (nvfp4_qat.py)")
+    ap.add_argument("--agent-rows", type=int, default=0,
+                    help="agent turns (agent_data.py) added to each answer step, with --agent-weight")
+    ap.add_argument("--agent-weight", type=float, default=1.0)
+    ap.add_argument("--agent-attend", type=float, default=0.0,
+                    help="weight of last_turn_loss on the agent calls' argument tokens")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
                     help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
@@ -305,6 +392,8 @@ def main(model=None):
                 attend.append(attention_to_tool(model))
             if step % args.probe_every == 0:
                 print(f"probe step {step}: {tool_probe.report(model, probes)}", flush=True)
+                if args.agent_rows:
+                    print(f"probe step {step}: {agent_probe(model)}", flush=True)
             k = hard_kind(step, args.corpus_every, args.ul_every)
             if k == "ul":
                 return unlikelihood(model, ul_prompts(step + 1, args.ul_batch), args.ul_tokens)   # ul_prompts alternates by step // 8
@@ -315,6 +404,9 @@ def main(model=None):
                 step, args.name_weight, BATCH, args.hard_share, args.tool_share, args.multi_share,
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
+            if args.agent_rows:
+                loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
+                                                             args.agent_attend, carry_log)
             if carry_log and step % 20 == 0:
                 print(f"step {step} carry/select/attend losses {carry_log[-3:]}", flush=True)
             return loss, None
@@ -325,7 +417,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight})
         return
 
     def step_loss(model, stream, step):

@@ -1,0 +1,95 @@
+"""Agent turns for the tool tune (issue 41, item 4): what Codex and opencode send on a
+tool-using turn, recorded whole (``testkit/agents/``), with the user's request, the working
+folder, the call and the tool's output swapped (``testkit/agent_turns.py``), rendered as
+``mlx-dspark serve`` renders them (its own protocol readers and ``chat_ids``). So the tune
+sees the prompt an agent's request becomes, 9,000-10,000 tokens of instructions and tool
+definitions before the request, and learns the agent's own tools: Codex runs everything
+through ``exec_command``; opencode runs and lists through ``bash`` and reads with ``read``.
+
+A **call** row ends with the call and eos; a **result** row holds the call and its output and
+ends with a line of answer and eos (tool_data.result_and_answer). Seeded per index, as
+tool_data.example; the phrasings are tool_data's (none is one of agent_turns.AGENT_REQUESTS,
+tool_data.check_heldout)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import chat_data
+import tool_data
+from testkit import agent_turns
+
+SEED = 5151
+ACTIONS = ("run", "list", "read")
+HERE_ASKS = ["List the files here.", "What files are in this folder?", "ls",
+             "Show me what is in this directory.", "Which files are here?", "List this folder."]
+USERS = ["alice", "bob", "dev", "sam", "kim", "user", "lee", "max"]
+PROJECTS = ["app", "demo", "parser", "site", "tool", "api", "notes", "game", "lib", "work"]
+
+
+@functools.cache
+def _runtime():
+    from mlx_dspark.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(chat_data.DEMO)
+
+
+def render(agent: str, body: dict) -> list[int]:
+    """The prompt ids ``serve`` makes of ``body`` (its reader for the agent's route, then
+    chat_ids), with the server's defaults."""
+    from mlx_dspark.serve import openai, responses
+    from mlx_dspark.serve.asked import Defaults
+    from mlx_dspark.text.tokenizer import chat_ids
+
+    tok = _runtime()
+    if agent_turns.recorded(agent)["route"] == "/v1/responses":
+        asked = responses.read(body, Defaults())
+    else:
+        asked = openai.read(body, "chat", Defaults(), len(tok.get_vocab()))
+    return chat_ids(tok, asked.prompt, asked.template, asked.use, asked.prefill)
+
+
+def _request(rng, split):
+    """(user turn, action, argument) for one agent turn; a listing of the folder itself has
+    no argument."""
+    action = rng.choice(ACTIONS)
+    if action == "list" and rng.random() < 0.4:
+        return rng.choice(HERE_ASKS), action, ""
+    ask, arg, _ = tool_data.request(action, rng, tool_data.files(split))
+    return ask, action, arg
+
+
+def example(split: str, index: int):
+    """(prompt ids, reply ids) of agent turn ``index`` of ``split``: a call or the answer
+    after its result, the agent and the kind alternating."""
+    rng = random.Random(f"{SEED}-{split}-{index}")
+    agent, kind = agent_turns.AGENTS[index % 2], ("call", "result")[(index // 2) % 2]
+    ask, action, arg = _request(rng, split)
+    cwd = f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
+    name, args = agent_turns.call(agent, action, arg)
+    tok = chat_data.tokenizer()
+    if kind == "call":
+        prompt = render(agent, agent_turns.body_of(agent, ask, cwd))
+        reply = tool_data.call_text(name, args)
+    else:
+        out, reply = tool_data.result_and_answer(action, arg, "", rng, split)
+        if not arg:
+            reply = "The files here are " + ", ".join(f"`{x}`" for x in out.splitlines()) + "."
+        result = agent_turns.framed(agent, name, out, cwd, arg, rng)
+        prompt = render(agent, agent_turns.body_of(agent, ask, cwd, (name, args), result))
+    return prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def check_heldout():
+    """No held-out agent request (agent_turns.AGENT_REQUESTS) is a training phrasing."""
+    import re
+
+    patterns = tool_data.phrasings(tool_data.ASKS) + [re.escape(a) for a in HERE_ASKS]
+    for _, ask, *_ in agent_turns.AGENT_REQUESTS:
+        assert not any(re.fullmatch(p, ask) for p in patterns), ask
+
+
+if __name__ == "__main__":
+    check_heldout()
+    tool_data.show(example("train", i) for i in range(4))
