@@ -21,6 +21,7 @@ import tool_data
 from testkit import agent_turns
 
 SEED = 5151
+THINK_SHARE = 0.25   # turns asked with thinking on (the agents ask none; Claude Code and the checks do)
 ACTIONS = ("run", "list", "read")
 HERE_ASKS = ["List the files here.", "What files are in this folder?", "ls",
              "Show me what is in this directory.", "Which files are here?", "List this folder."]
@@ -56,36 +57,57 @@ def _request(rng, split):
     action = rng.choice(ACTIONS)
     if action == "list" and rng.random() < 0.4:
         return rng.choice(HERE_ASKS), action, ""
-    ask, arg, _ = tool_data.request(action, rng, tool_data.files(split))
+    ask, arg, _ = tool_data.request(action, rng, tool_data.files(split), tool_data.HARD_ASKS)
     return ask, action, arg
 
 
-def example(split: str, index: int):
+def folder(seed) -> str:
+    rng = random.Random(f"{SEED}-cwd-{seed}")
+    return f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
+
+
+def example(split: str, index: int, cwd: str | None = None, kind: str | None = None):
     """(prompt ids, reply ids) of agent turn ``index`` of ``split``: a call or the answer
-    after its result, the agent and the kind alternating."""
+    after its result, the agent and the kind alternating unless ``kind`` is given. ``cwd``: the
+    agent's folder (by default one drawn for the turn); rows that share it share the prompt up
+    to the user's request (agent_loss runs that prefix once)."""
     rng = random.Random(f"{SEED}-{split}-{index}")
-    agent, kind = agent_turns.AGENTS[index % 2], ("call", "result")[(index // 2) % 2]
+    agent = agent_turns.AGENTS[index % 2]
+    kind = kind or ("call", "result")[(index // 2) % 2]
     ask, action, arg = _request(rng, split)
-    cwd = f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
+    cwd = cwd or folder(f"{split}-{index}")
     name, args = agent_turns.call(agent, action, arg)
     tok = chat_data.tokenizer()
+    thinking = random.Random(f"{SEED}-think-{split}-{index}").random() < THINK_SHARE
     if kind == "call":
-        prompt = render(agent, agent_turns.body_of(agent, ask, cwd))
+        body = agent_turns.body_of(agent, ask, cwd)
         reply = tool_data.call_text(name, args)
+        opening = tool_data.thought(action, arg or "this folder", name)
     else:
         out, reply = tool_data.result_and_answer(action, arg, "", rng, split)
         if not arg:
             reply = "The files here are " + ", ".join(f"`{x}`" for x in out.splitlines()) + "."
         result = agent_turns.framed(agent, name, out, cwd, arg, rng)
-        prompt = render(agent, agent_turns.body_of(agent, ask, cwd, (name, args), result))
-    return prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        body = agent_turns.body_of(agent, ask, cwd, (name, args), result)
+        opening = "I have the result."
+    if thinking:
+        reply = opening + "\n</think>\n" + reply
+        body = think_on(agent, body)
+    return render(agent, body), tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def think_on(agent: str, body: dict) -> dict:
+    """``body`` with thinking asked for, as a client asks it (a low effort: a short budget)."""
+    if agent == "codex":
+        return {**body, "reasoning": {**body.get("reasoning", {}), "effort": "low"}}
+    return {**body, "reasoning_effort": "low"}
 
 
 def check_heldout():
     """No held-out agent request (agent_turns.AGENT_REQUESTS) is a training phrasing."""
     import re
 
-    patterns = tool_data.phrasings(tool_data.ASKS) + [re.escape(a) for a in HERE_ASKS]
+    patterns = tool_data.phrasings(tool_data.HARD_ASKS) + [re.escape(a) for a in HERE_ASKS]
     for _, ask, *_ in agent_turns.AGENT_REQUESTS:
         assert not any(re.fullmatch(p, ask) for p in patterns), ask
 
