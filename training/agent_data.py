@@ -21,6 +21,8 @@ import tool_data
 from testkit import agent_turns
 
 SEED = 5151
+MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made_up_path files
+EXTENSIONS = [".py", ".md", ".txt", ".json", ".toml", ".cfg", ".yaml", ".sh", ".ini", ""]
 THINK_SHARE = 0.25   # turns asked with thinking on (the agents ask none; Claude Code and the checks do)
 ACTIONS = ("run", "list", "read")
 HERE_ASKS = ["List the files here.", "What files are in this folder?", "ls",
@@ -57,8 +59,39 @@ def _request(rng, split):
     action = rng.choice(ACTIONS)
     if action == "list" and rng.random() < 0.4:
         return rng.choice(HERE_ASKS), action, ""
-    ask, arg, _ = tool_data.request(action, rng, tool_data.files(split), tool_data.HARD_ASKS)
+    if rng.random() < MADE_UP_FILES:
+        if action == "run":
+            c = made_up_command(rng)
+            return rng.choice(tool_data.HARD_ASKS["run"]).format(c=c), action, c
+        paths = [made_up_path(rng) for _ in range(8)]
+    else:
+        paths = tool_data.files(split)
+    ask, arg, _ = tool_data.request(action, rng, paths, tool_data.HARD_ASKS)
     return ask, action, arg
+
+
+@functools.cache
+def _pieces() -> list[str]:
+    """The tokenizer's pieces of 2-8 letters (2,206 of its 4,096)."""
+    import re
+
+    return sorted(t for t in chat_data.tokenizer().get_vocab() if re.fullmatch(r"[A-Za-z]{2,8}", t))
+
+
+def made_up_path(rng) -> str:
+    """A file name no corpus holds (1-3 of the tokenizer's letter pieces, an extension,
+    sometimes in a folder), so that the argument can only be copied from the request, and the
+    copy is learnt for every piece, not for a few remembered names."""
+    name = "".join(rng.choice(_pieces()) for _ in range(rng.randint(1, 3))) + rng.choice(EXTENSIONS)
+    return f"{rng.choice(tool_data.DIRS)}/{name}" if rng.random() < 0.3 else name
+
+
+def made_up_command(rng) -> str:
+    """A command line of made-up words and flags, for the same reason."""
+    words = [rng.choice(_pieces()).lower() for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.5:
+        words.insert(1, "-" + rng.choice("abcdefghijklmnopqrstuvwxyz" + "-v"))
+    return " ".join(words)
 
 
 def folder(seed) -> str:

@@ -373,18 +373,24 @@ def main(model=None):
     ap.add_argument("--agent-weight", type=float, default=1.0)
     ap.add_argument("--agent-attend", type=float, default=0.0,
                     help="weight of last_turn_loss on the agent calls' argument tokens")
+    ap.add_argument("--made-up-files", type=float, default=0.0,
+                    help="share of agent turns naming made-up files (agent_data.MADE_UP_FILES)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
                     help="tool_data.example draws per answer batch (the rest: chat tasks)")
     args = ap.parse_args()
     tool_data.RANDOM_NAMES = args.random_names
+    agent_data.MADE_UP_FILES = args.made_up_files
     ckpt = Path(args.ckpt)
     if args.init and not ckpt.exists():
-        if Path(args.init).is_dir():   # an export (4r's target_nvfp4_shipped: the shipped target)
-            start = load_dequantized(Path(args.init))
+        # an export (4r's target_nvfp4_shipped: the shipped target) or a --keep-every checkpoint
+        # (weights only) starts a fresh optimizer; a run's checkpoint brings its own
+        ck = {} if Path(args.init).is_dir() else torch.load(args.init)
+        if "opt" not in ck:
+            start = load_dequantized(Path(args.init)) if Path(args.init).is_dir() else load_dequantized()
+            if ck:
+                start.load_state_dict(ck["model"])
             ck = {"model": start.state_dict(), "opt": torch.optim.AdamW(
                 start.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0).state_dict()}
-        else:
-            ck = torch.load(args.init)
         torch.save({**ck, "step": 0}, ckpt)
     if args.hard:
         import tool_probe
@@ -433,7 +439,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "made_up_files": args.made_up_files})
         return
 
     def step_loss(model, stream, step):
