@@ -23,6 +23,9 @@ from testkit import agent_turns
 SEED = 5151
 MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made_up_path files
 EXTENSIONS = [".py", ".md", ".txt", ".json", ".toml", ".cfg", ".yaml", ".sh", ".ini", ""]
+# One fixed sentence: thoughts that named the argument ("The user wants me to read parser.py.")
+# ran on into a list of it wherever the copy failed (ah_e, ah_g: training/README.md step 3d).
+AGENT_THOUGHT = "The user wants me to use a tool."
 THINK_SHARE = 0.25   # turns asked with thinking on (the agents ask none; Claude Code and the checks do)
 ACTIONS = ("run", "list", "read")
 HERE_ASKS = ["List the files here.", "What files are in this folder?", "ls",
@@ -115,7 +118,7 @@ def example(split: str, index: int, cwd: str | None = None, kind: str | None = N
     if kind == "call":
         body = agent_turns.body_of(agent, ask, cwd)
         reply = tool_data.call_text(name, args)
-        opening = tool_data.thought(action, arg or "this folder", name)
+        opening = AGENT_THOUGHT
     else:
         out, reply = tool_data.result_and_answer(action, arg, "", rng, split)
         if not arg:
