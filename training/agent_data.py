@@ -21,6 +21,12 @@ import tool_data
 from testkit import agent_turns
 
 SEED = 5151
+MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made_up_path files
+EXTENSIONS = [".py", ".md", ".txt", ".json", ".toml", ".cfg", ".yaml", ".sh", ".ini", ""]
+# One fixed sentence: thoughts that named the argument ("The user wants me to read parser.py.")
+# ran on into a list of it wherever the copy failed (ah_e, ah_g: training/README.md step 3d).
+AGENT_THOUGHT = "The user wants me to use a tool."
+THINK_SHARE = 0.25   # turns asked with thinking on (the agents ask none; Claude Code and the checks do)
 ACTIONS = ("run", "list", "read")
 HERE_ASKS = ["List the files here.", "What files are in this folder?", "ls",
              "Show me what is in this directory.", "Which files are here?", "List this folder."]
@@ -56,36 +62,88 @@ def _request(rng, split):
     action = rng.choice(ACTIONS)
     if action == "list" and rng.random() < 0.4:
         return rng.choice(HERE_ASKS), action, ""
-    ask, arg, _ = tool_data.request(action, rng, tool_data.files(split))
+    if rng.random() < MADE_UP_FILES:
+        if action == "run":
+            c = made_up_command(rng)
+            return rng.choice(tool_data.HARD_ASKS["run"]).format(c=c), action, c
+        paths = [made_up_path(rng) for _ in range(8)]
+    else:
+        paths = tool_data.files(split)
+    ask, arg, _ = tool_data.request(action, rng, paths, tool_data.HARD_ASKS)
     return ask, action, arg
 
 
-def example(split: str, index: int):
+@functools.cache
+def _pieces() -> list[str]:
+    """The tokenizer's pieces of 2-8 letters (2,206 of its 4,096)."""
+    import re
+
+    return sorted(t for t in chat_data.tokenizer().get_vocab() if re.fullmatch(r"[A-Za-z]{2,8}", t))
+
+
+def made_up_path(rng) -> str:
+    """A file name no corpus holds (1-3 of the tokenizer's letter pieces, an extension,
+    sometimes in a folder), so that the argument can only be copied from the request, and the
+    copy is learnt for every piece, not for a few remembered names."""
+    name = "".join(rng.choice(_pieces()) for _ in range(rng.randint(1, 3))) + rng.choice(EXTENSIONS)
+    return f"{rng.choice(tool_data.DIRS)}/{name}" if rng.random() < 0.3 else name
+
+
+def made_up_command(rng) -> str:
+    """A command line of made-up words and flags, for the same reason."""
+    words = [rng.choice(_pieces()).lower() for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.5:
+        words.insert(1, "-" + rng.choice("abcdefghijklmnopqrstuvwxyz" + "-v"))
+    return " ".join(words)
+
+
+def folder(seed) -> str:
+    rng = random.Random(f"{SEED}-cwd-{seed}")
+    return f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
+
+
+def example(split: str, index: int, cwd: str | None = None, kind: str | None = None):
     """(prompt ids, reply ids) of agent turn ``index`` of ``split``: a call or the answer
-    after its result, the agent and the kind alternating."""
+    after its result, the agent and the kind alternating unless ``kind`` is given. ``cwd``: the
+    agent's folder (by default one drawn for the turn); rows that share it share the prompt up
+    to the user's request (agent_loss runs that prefix once)."""
     rng = random.Random(f"{SEED}-{split}-{index}")
-    agent, kind = agent_turns.AGENTS[index % 2], ("call", "result")[(index // 2) % 2]
+    agent = agent_turns.AGENTS[index % 2]
+    kind = kind or ("call", "result")[(index // 2) % 2]
     ask, action, arg = _request(rng, split)
-    cwd = f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
+    cwd = cwd or folder(f"{split}-{index}")
     name, args = agent_turns.call(agent, action, arg)
     tok = chat_data.tokenizer()
+    thinking = random.Random(f"{SEED}-think-{split}-{index}").random() < THINK_SHARE
     if kind == "call":
-        prompt = render(agent, agent_turns.body_of(agent, ask, cwd))
+        body = agent_turns.body_of(agent, ask, cwd)
         reply = tool_data.call_text(name, args)
+        opening = AGENT_THOUGHT
     else:
         out, reply = tool_data.result_and_answer(action, arg, "", rng, split)
         if not arg:
             reply = "The files here are " + ", ".join(f"`{x}`" for x in out.splitlines()) + "."
         result = agent_turns.framed(agent, name, out, cwd, arg, rng)
-        prompt = render(agent, agent_turns.body_of(agent, ask, cwd, (name, args), result))
-    return prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        body = agent_turns.body_of(agent, ask, cwd, (name, args), result)
+        opening = "I have the result."
+    if thinking:
+        reply = opening + "\n</think>\n" + reply
+        body = think_on(agent, body)
+    return render(agent, body), tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def think_on(agent: str, body: dict) -> dict:
+    """``body`` with thinking asked for, as a client asks it (a low effort: a short budget)."""
+    if agent == "codex":
+        return {**body, "reasoning": {**body.get("reasoning", {}), "effort": "low"}}
+    return {**body, "reasoning_effort": "low"}
 
 
 def check_heldout():
     """No held-out agent request (agent_turns.AGENT_REQUESTS) is a training phrasing."""
     import re
 
-    patterns = tool_data.phrasings(tool_data.ASKS) + [re.escape(a) for a in HERE_ASKS]
+    patterns = tool_data.phrasings(tool_data.HARD_ASKS) + [re.escape(a) for a in HERE_ASKS]
     for _, ask, *_ in agent_turns.AGENT_REQUESTS:
         assert not any(re.fullmatch(p, ask) for p in patterns), ask
 
