@@ -21,7 +21,7 @@ import tool_data
 from testkit import agent_turns
 
 SEED = 5151
-MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made_up_path files
+MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made-up files or commands
 EXTENSIONS = [".py", ".md", ".txt", ".json", ".toml", ".cfg", ".yaml", ".sh", ".ini", ""]
 # One fixed sentence: thoughts that named the argument ("The user wants me to read parser.py.")
 # ran on into a list of it wherever the copy failed (ah_e, ah_g: training/README.md step 3d).
@@ -98,6 +98,7 @@ def made_up_command(rng) -> str:
 
 
 def folder(seed) -> str:
+    """The agent's working folder, drawn for ``seed``."""
     rng = random.Random(f"{SEED}-cwd-{seed}")
     return f"/home/{rng.choice(USERS)}/{rng.choice(PROJECTS)}"
 
