@@ -133,6 +133,14 @@ def example(split: str, index: int, cwd: str | None = None, kind: str | None = N
     return render(agent, body), tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
 
 
+def shared_prefix(prompts) -> int:
+    """How many leading tokens all ``prompts`` share, leaving at least one token of each."""
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        n = next((j for j in range(n) if p[j] != prompts[0][j]), n)
+    return n
+
+
 def think_on(agent: str, body: dict) -> dict:
     """``body`` with thinking asked for, as a client asks it (a low effort: a short budget)."""
     if agent == "codex":

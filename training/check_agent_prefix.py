@@ -23,7 +23,7 @@ def main(ckpt):
     model.train()
     cwd = agent_data.folder("check")
     (p0, r0), (p1, _) = (agent_data.example("train", i, cwd, "call") for i in (0, 2))
-    n = next(j for j in range(min(len(p0), len(p1))) if p0[j] != p1[j])
+    n = agent_data.shared_prefix([p0, p1])
     ids = torch.tensor([p0 + r0])
     t = time.perf_counter()
     whole = model(ids[:, :-1]).logits

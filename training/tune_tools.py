@@ -245,9 +245,7 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
     for agent in range(2):
         group = [agent_data.example("train", step * rows + 2 * i + agent, agent_data.folder(f"step-{step}"),
                                     "result" if i % 4 == 3 else "call") for i in range(rows // 2)]
-        n = min(len(p) for p, _ in group) - 1
-        for p, _ in group[1:]:
-            n = next((j for j in range(n) if p[j] != group[0][0][j]), n)
+        n = agent_data.shared_prefix([p for p, _ in group])
         kept = []
         hook = model.model.layers[CARRY_LAYER].mixer.register_forward_pre_hook(
             lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]),
@@ -257,7 +255,7 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
         for prompt, reply in group:
             rest = prompt[n:] + reply
             labels = torch.tensor([-100] * (len(prompt) - n) + reply)
-            weights = torch.tensor(copy_weights(prompt + reply, weight)[n:]) * (labels != -100)
+            weights = torch.tensor([0.0] * (len(prompt) - n) + copy_weights(reply, weight))
             logits = model(torch.tensor([rest[:-1]]), past_key_values=copy.deepcopy(cache),
                            use_cache=True).logits[0].float()
             ce = F.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="none")
