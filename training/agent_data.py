@@ -22,6 +22,7 @@ from testkit import agent_turns
 
 SEED = 5151
 MADE_UP_FILES = 0.0   # tune_tools.py --made-up-files: share of turns naming made-up files or commands
+MIRROR_NAMES = False  # tune_tools.py --mirror-names: calls spell a name in the request's pieces (mirrored)
 EXTENSIONS = [".py", ".md", ".txt", ".json", ".toml", ".cfg", ".yaml", ".sh", ".ini", ""]
 # One fixed sentence: thoughts that named the argument ("The user wants me to read parser.py.")
 # ran on into a list of it wherever the copy failed (ah_e, ah_g: training/README.md step 3d).
@@ -130,7 +131,37 @@ def example(split: str, index: int, cwd: str | None = None, kind: str | None = N
     if thinking:
         reply = opening + "\n</think>\n" + reply
         body = think_on(agent, body)
-    return render(agent, body), tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+    prompt = render(agent, body)
+    ids = tok.encode(reply, add_special_tokens=False)
+    if MIRROR_NAMES and kind == "call":
+        ids = mirrored(reply, args, prompt)
+    return prompt, ids + [tok.eos_token_id]
+
+
+def mirrored(reply: str, args: dict, prompt: list[int]) -> list[int]:
+    """``reply``'s ids with each argument value that opens its line spelt in the pieces the
+    request spells it in, less the first piece's leading space: opencode's ``filePath`` setup.py
+    is ``setup .py`` on its own, but ``▁set up .py`` in "What does setup.py contain?", so the
+    model has a piece to copy (``set`` for ``▁set``) instead of one to guess. The text, and so
+    the call the server parses, is the same."""
+    tok = chat_data.tokenizer()
+    vocab = tok.get_vocab()
+    mark = tok.encode("<|im_start|>", add_special_tokens=False)
+    start = [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
+    last = prompt[start:]
+    out, rest = [], reply
+    for v in (v for v in args.values() if isinstance(v, str) and f">\n{v}\n" in rest):
+        spaced = tok.encode(" " + v, add_special_tokens=False)
+        first = tok.convert_ids_to_tokens(spaced[0])
+        held = any(last[i:i + len(spaced)] == spaced for i in range(len(last)))
+        if not (held and first.startswith("▁") and first[1:] in vocab):
+            continue
+        before, rest = rest.split(f">\n{v}\n", 1)
+        out += tok.encode(before + ">\n", add_special_tokens=False) + [vocab[first[1:]]] + spaced[1:]
+        rest = "\n" + rest
+    ids = out + tok.encode(rest, add_special_tokens=False)
+    assert tok.decode(ids) == reply, (tok.decode(ids), reply)
+    return ids
 
 
 def shared_prefix(prompts) -> int:

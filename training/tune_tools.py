@@ -232,7 +232,7 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
     return loss
 
 
-def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
+def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None, copy_weight=0.0, readout_weight=0.0):
     """The answer loss on ``rows`` agent turns (agent_data.example; half Codex, half opencode,
     three calls to one answer), the called name and the arguments' first tokens weighted by
     ``weight`` (copy_weights). An agent's turns in a step share its folder, so their prompts
@@ -240,7 +240,8 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
     gradient, and each turn's rest continues from a copy of its cache. The loss is the one the
     whole forward gives (logits within 2e-5 of it); the gradient stops at the prefix, whose labels
     are all -100 anyway, and a turn costs 0.2 s instead of 4.4. With ``attend_weight``, plus
-    last_turn_loss on the calls' argument tokens."""
+    last_turn_loss on the calls' argument tokens; with ``copy_weight``, plus copy_loss on them;
+    with ``readout_weight``, plus copy_readout_loss on them."""
     losses = []
     for agent in range(2):
         group = [agent_data.example("train", step * rows + 2 * i + agent, agent_data.folder(f"step-{step}"),
@@ -249,7 +250,10 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
         kept = []
         hook = model.model.layers[CARRY_LAYER].mixer.register_forward_pre_hook(
             lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]),
-            with_kwargs=True) if attend_weight else None
+            with_kwargs=True) if attend_weight or copy_weight or readout_weight else None
+        said = []
+        out_hook = model.model.layers[CARRY_LAYER].register_forward_hook(
+            lambda m, args, out: said.append(out[0] if isinstance(out, tuple) else out)) if readout_weight else None
         with torch.no_grad():
             cache = model(torch.tensor([group[0][0][:n]]), use_cache=True).past_key_values
         for prompt, reply in group:
@@ -262,14 +266,24 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None):
             loss = (ce * weights[1:]).sum() / weights[1:].sum()
             queries = [len(prompt) + j - 1 for j in value_positions(reply)]
             if hook is not None and queries:
-                att, mass = last_turn_loss(model, torch.cat([kept[0][0], kept[-1][0]]), prompt, queries)
-                loss = loss + attend_weight * att
-                if log is not None:
-                    log.append(round(mass, 3))
-            del kept[1:]
+                h = torch.cat([kept[0][0], kept[-1][0]])
+                start = last_turn_start(prompt)
+                if attend_weight:
+                    att, mass = last_turn_loss(model, h, prompt, queries, start)
+                    loss = loss + attend_weight * att
+                    if log is not None:
+                        log.append(round(mass, 3))
+                sources = copy_sources(prompt, start, [reply[j] for j in value_positions(reply)])
+                if copy_weight:
+                    loss = loss + copy_weight * copy_loss(model, h, queries, sources)
+                if readout_weight:
+                    loss = loss + readout_weight * copy_readout_loss(
+                        model, said[-1][0], [q - n for q in queries], sources, [reply[j] for j in value_positions(reply)])
+            del kept[1:], said[:]
             losses.append(loss)
-        if hook is not None:
-            hook.remove()
+        for h in (hook, out_hook):
+            if h is not None:
+                h.remove()
     return sum(losses) / len(losses)
 
 
@@ -290,25 +304,67 @@ def value_positions(reply):
     return out
 
 
-def last_turn_loss(model, h, prompt, queries):
-    """-log of the attention mass (mean over heads) that the attention layer puts, at each of
-    ``queries``, on the prompt's last turn (from its last ``<|im_start|>`` but the reply's own,
-    which the demo's tokenizer spells in 7 pieces): where the user
-    named the command or file, 9,000 tokens after instructions full of other commands. ``h``:
+def last_turn_start(prompt):
+    """Where the prompt's last turn starts: its last ``<|im_start|>`` but the reply's own, which
+    the demo's tokenizer spells in 7 pieces."""
+    mark = chat_data.tokenizer().encode("<|im_start|>", add_special_tokens=False)
+    return [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
+
+
+def attention_probs(model, h, queries):
+    """The attention layer's probabilities (heads, len(queries), len(h)) at ``queries``. ``h``:
     that layer's input; its queries and keys recomputed (no positions: Nemotron-H's attention
     has none)."""
-    tok = chat_data.tokenizer()
-    mark = tok.encode("<|im_start|>", add_special_tokens=False)
-    start = [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
     attn = model.model.layers[CARRY_LAYER].mixer
     n, d = attn.config.num_attention_heads, attn.head_dim
     q = attn.q_proj(h[queries]).view(len(queries), n, d)                  # (Q, heads, d)
     k = attn.k_proj(h).view(h.shape[0], -1, d).repeat_interleave(attn.num_key_value_groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * attn.scaling
     causal = torch.arange(h.shape[0])[None, :] > torch.tensor(queries)[:, None]
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-    mass = probs[:, :, start:len(prompt)].sum(-1).mean(0)                  # (Q,)
+    return scores.masked_fill(causal, float("-inf")).softmax(-1)
+
+
+def last_turn_loss(model, h, prompt, queries, start):
+    """-log of the attention mass (mean over heads) that the attention layer puts, at each of
+    ``queries``, on the prompt's last turn (from ``start`` on): where the user named the command
+    or file, 9,000 tokens after instructions full of other commands."""
+    mass = attention_probs(model, h, queries)[:, :, start:len(prompt)].sum(-1).mean(0)   # (Q,)
     return -torch.log(mass.clamp_min(1e-6)).mean(), mass.mean().item()
+
+
+def copy_sources(prompt, start, values):
+    """For each argument token, the positions of the last turn holding the same piece, a leading
+    space aside: a name's first piece is ``▁set`` in "What does setup.py" and ``set`` in a call
+    that opens the value with it, and that first piece is the one the tunes got wrong
+    (training/README.md, step 3d, session 17)."""
+    pieces = chat_data.tokenizer().convert_ids_to_tokens
+    bare = [p.lstrip("▁") for p in pieces(prompt[start:])]
+    return [[start + i for i, b in enumerate(bare) if b and b == v.lstrip("▁")] for v in pieces(values)]
+
+
+def copy_loss(model, h, queries, sources):
+    """-log of the attention mass the best head puts, where an argument token is predicted, on
+    the request's copies of that token (copy_sources): the copy spelled out for the one attention
+    layer, which last_turn_loss only points at the request. The best head alone, so the other
+    heads keep their work. Tokens the request does not hold (``cat``, ``ls``) add nothing."""
+    kept = [(i, s) for i, s in enumerate(sources) if s]
+    if not kept:
+        return torch.zeros(())
+    probs = attention_probs(model, h, [queries[i] for i, _ in kept])
+    mass = torch.stack([probs[:, j, s].sum(-1) for j, (_, s) in enumerate(kept)], 1)   # (heads, Q)
+    return -torch.log(mass.max(0).values.clamp_min(1e-6)).mean()
+
+
+def copy_readout_loss(model, said, queries, sources, values):
+    """Cross-entropy of the argument tokens the request holds (``sources`` non-empty), read
+    through the final norm and lm_head (lens) from the residual right after the attention
+    layer (``said``, the turn's rest; ``queries`` index it): the copied piece must already be
+    there, written by the attention layer's values from the request's piece (``▁set`` to
+    ``set``), not left to the two layers after it."""
+    kept = [i for i, s in enumerate(sources) if s]
+    if not kept:
+        return torch.zeros(())
+    return F.cross_entropy(lens(model, said[[queries[i] for i in kept]]), torch.tensor([values[i] for i in kept]))
 
 
 def agent_probe(model, n=4) -> str:
@@ -371,6 +427,12 @@ def main(model=None):
     ap.add_argument("--agent-weight", type=float, default=1.0)
     ap.add_argument("--agent-attend", type=float, default=0.0,
                     help="weight of last_turn_loss on the agent calls' argument tokens")
+    ap.add_argument("--agent-copy", type=float, default=0.0,
+                    help="weight of copy_loss on the agent calls' argument tokens")
+    ap.add_argument("--agent-readout", type=float, default=0.0,
+                    help="weight of copy_readout_loss on the agent calls' argument tokens")
+    ap.add_argument("--mirror-names", action="store_true",
+                    help="agent calls spell a named file in the request's pieces (agent_data.mirrored)")
     ap.add_argument("--made-up-files", type=float, default=0.0,
                     help="share of agent turns naming made-up files (agent_data.MADE_UP_FILES)")
     ap.add_argument("--tool-share", type=int, default=HARD_TOOL_SHARE,
@@ -378,6 +440,7 @@ def main(model=None):
     args = ap.parse_args()
     tool_data.RANDOM_NAMES = args.random_names
     agent_data.MADE_UP_FILES = args.made_up_files
+    agent_data.MIRROR_NAMES = args.mirror_names
     ckpt = Path(args.ckpt)
     if args.init and not ckpt.exists():
         # an export (4r's target_nvfp4_shipped: the shipped target) or a --keep-every checkpoint
@@ -426,7 +489,8 @@ def main(model=None):
                 attend[0] if attend else None, args.attend_weight)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
-                                                             args.agent_attend, carry_log)
+                                                             args.agent_attend, carry_log, args.agent_copy,
+                                                             args.agent_readout)
             if carry_log and step % 20 == 0:
                 print(f"step {step} carry/select/attend losses {carry_log[-3:]}", flush=True)
             return loss, None
@@ -437,7 +501,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "made_up_files": args.made_up_files})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "made_up_files": args.made_up_files})
         return
 
     def step_loss(model, stream, step):
