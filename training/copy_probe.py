@@ -1,0 +1,63 @@
+"""Teacher-forced copy on held-out agent calls (issue 41, item 4): on the first 12 calls of
+agent_data's held-out split, for each argument piece the request holds (tune_tools.copy_sources),
+the attention layer's mass on the request's copies (the best head) and whether the model's
+argmax is that piece; split into a name's first copied piece (where session 17's tunes failed)
+and the pieces after it. Weights rounded as the export rounds them.
+
+    PYTHONPATH=<testkit's parent>:training TRAIN_THREADS=1 $FX training/copy_probe.py [--mirror-names] CKPT...
+"""
+import argparse
+
+import torch
+from torch.nn.utils import parametrize
+
+import agent_data
+import nvfp4_qat
+import tune_tools
+from common import THREADS
+from export_target import load_dequantized
+
+CALLS = 12
+
+
+def probe(model) -> str:
+    first, later = [], []      # (mass, right) per copied piece
+    layer = model.model.layers[tune_tools.CARRY_LAYER].mixer
+    with torch.no_grad(), parametrize.cached():
+        for i in range(CALLS):
+            prompt, reply = agent_data.example("heldout", i, None, "call")
+            kept = []
+            hook = layer.register_forward_pre_hook(
+                lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+            logits = model(torch.tensor([prompt + reply])).logits[0]
+            hook.remove()
+            where = tune_tools.value_positions(reply)
+            queries = [len(prompt) + j - 1 for j in where]
+            sources = tune_tools.copy_sources(prompt, tune_tools.last_turn_start(prompt), [reply[j] for j in where])
+            probs = tune_tools.attention_probs(model, kept[0][0], queries)
+            for n, (j, s) in enumerate(zip(where, sources)):
+                if s:
+                    row = (probs[:, n, s].sum(-1).max().item(), logits[queries[n]].argmax().item() == reply[j])
+                    (first if n == 0 or not sources[n - 1] else later).append(row)
+
+    def show(rows):
+        return f"mass {sum(m for m, _ in rows) / max(len(rows), 1):.3f}, argmax right {sum(r for _, r in rows)}/{len(rows)}"
+    return f"first copied piece: {show(first)}; later pieces: {show(later)}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpts", nargs="+")
+    ap.add_argument("--mirror-names", action="store_true", help="calls spelt as tune_tools --mirror-names spells them")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    agent_data.MIRROR_NAMES = args.mirror_names
+    for ckpt in args.ckpts:
+        model = load_dequantized()
+        model.load_state_dict(torch.load(ckpt)["model"])
+        nvfp4_qat.enable(model.eval())
+        print(f"{ckpt}: {probe(model)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
