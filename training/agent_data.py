@@ -146,9 +146,7 @@ def mirrored(reply: str, args: dict, prompt: list[int]) -> list[int]:
     the call the server parses, is the same."""
     tok = chat_data.tokenizer()
     vocab = tok.get_vocab()
-    mark = tok.encode("<|im_start|>", add_special_tokens=False)
-    start = [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
-    last = prompt[start:]
+    last = prompt[last_turn_start(prompt):]
     out, rest = [], reply
     for v in (v for v in args.values() if isinstance(v, str) and f">\n{v}\n" in rest):
         spaced = tok.encode(" " + v, add_special_tokens=False)
@@ -162,6 +160,13 @@ def mirrored(reply: str, args: dict, prompt: list[int]) -> list[int]:
     ids = out + tok.encode(rest, add_special_tokens=False)
     assert tok.decode(ids) == reply, (tok.decode(ids), reply)
     return ids
+
+
+def last_turn_start(prompt: list[int]) -> int:
+    """Where the prompt's last turn (the user's request) starts: its last ``<|im_start|>`` but
+    the reply's own, which the demo's tokenizer spells in 7 pieces."""
+    mark = chat_data.tokenizer().encode("<|im_start|>", add_special_tokens=False)
+    return [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
 
 
 def shared_prefix(prompts) -> int:

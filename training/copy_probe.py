@@ -41,7 +41,7 @@ def probe(model) -> str:
             hook.remove()
             where = tune_tools.value_positions(reply)
             queries = [len(prompt) + j - 1 for j in where]
-            sources = tune_tools.copy_sources(prompt, tune_tools.last_turn_start(prompt), [reply[j] for j in where])
+            sources = tune_tools.copy_sources(prompt, agent_data.last_turn_start(prompt), [reply[j] for j in where])
             probs = tune_tools.attention_probs(model, kept[0][0], queries)
             for n, (j, s) in enumerate(zip(where, sources)):
                 if s:
@@ -67,7 +67,7 @@ def where(model, asks) -> list[str]:
                     lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
                 logits = model(torch.tensor([ids])).logits[0, -1]
                 hook.remove()
-                start = tune_tools.last_turn_start(prompt)
+                start = agent_data.last_turn_start(prompt)
                 probs = tune_tools.attention_probs(model, kept[0][0], [len(ids) - 1])[:, 0, start:len(prompt)]
                 head = probs.sum(-1).argmax()
                 top = probs[head].topk(4)

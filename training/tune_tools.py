@@ -264,26 +264,28 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None, copy_
                            use_cache=True).logits[0].float()
             ce = F.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="none")
             loss = (ce * weights[1:]).sum() / weights[1:].sum()
-            queries = [len(prompt) + j - 1 for j in value_positions(reply)]
+            where = value_positions(reply)
+            queries = [len(prompt) + j - 1 for j in where]
             if hook is not None and queries:
                 h = torch.cat([kept[0][0], kept[-1][0]])
-                start = last_turn_start(prompt)
+                start = agent_data.last_turn_start(prompt)
                 if attend_weight:
                     att, mass = last_turn_loss(model, h, prompt, queries, start)
                     loss = loss + attend_weight * att
                     if log is not None:
                         log.append(round(mass, 3))
-                sources = copy_sources(prompt, start, [reply[j] for j in value_positions(reply)])
+                values = [reply[j] for j in where]
+                sources = copy_sources(prompt, start, values)
                 if copy_weight:
                     loss = loss + copy_weight * copy_loss(model, h, queries, sources)
-                if readout_weight:
+                if readout_weight:   # the rest's positions: the prefix's n tokens come first
                     loss = loss + readout_weight * copy_readout_loss(
-                        model, said[-1][0], [q - n for q in queries], sources, [reply[j] for j in value_positions(reply)])
+                        model, said[-1][0], [q - n for q in queries], sources, values)
             del kept[1:], said[:]
             losses.append(loss)
-        for h in (hook, out_hook):
-            if h is not None:
-                h.remove()
+        for handle in (hook, out_hook):
+            if handle is not None:
+                handle.remove()
     return sum(losses) / len(losses)
 
 
@@ -302,13 +304,6 @@ def value_positions(reply):
         else:
             i += 1
     return out
-
-
-def last_turn_start(prompt):
-    """Where the prompt's last turn starts: its last ``<|im_start|>`` but the reply's own, which
-    the demo's tokenizer spells in 7 pieces."""
-    mark = chat_data.tokenizer().encode("<|im_start|>", add_special_tokens=False)
-    return [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
 
 
 def attention_probs(model, h, queries):
