@@ -71,6 +71,26 @@ def ul_prompts(step, batch=None):
     return out
 
 
+KEEP_PROMPTS, KEEP_TOKENS = 2, 64   # keep_loss per answer step: 2 greedy answers of 64 tokens, about 3 s
+
+
+def keep_loss(model, teacher, prompts, max_tokens):
+    """KL(teacher || model) on the teacher's own greedy answers to ``prompts`` (ul_prompts): the
+    shipped target's answers, which met the loop bars, kept while the agent turns are learnt
+    (learning without forgetting, Li and Hoiem 2016)."""
+    eos = chat_data.tokenizer().eos_token_id
+    total, count = torch.zeros(()), 0
+    for p in prompts:   # one at a time: no left padding for the recurrent layers
+        with torch.no_grad():
+            seq = teacher.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=0, eos_token_id=eos)
+            want = F.log_softmax(teacher(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
+        got = F.log_softmax(model(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
+        total = total + (want.exp() * (want - got)).sum()
+        count += len(want)
+    return total / max(count, 1)
+
+
 def kind(step):
     if step < FIRST:
         return {1: "corpus", 3: "ul"}.get(step % 4, "answers")
@@ -426,6 +446,8 @@ def main(model=None):
                     help="weight of copy_loss on the agent calls' argument tokens")
     ap.add_argument("--agent-readout", type=float, default=0.0,
                     help="weight of copy_readout_loss on the agent calls' argument tokens")
+    ap.add_argument("--keep-weight", type=float, default=0.0,
+                    help="weight of keep_loss: the shipped target's greedy answers (--init's export) kept")
     ap.add_argument("--mirror-names", action="store_true",
                     help="agent calls spell a named file in the request's pieces (agent_data.mirrored)")
     ap.add_argument("--made-up-files", type=float, default=0.0,
@@ -448,6 +470,7 @@ def main(model=None):
             ck = {"model": start.state_dict(), "opt": torch.optim.AdamW(
                 start.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0).state_dict()}
         torch.save({**ck, "step": 0}, ckpt)
+    teacher = load_dequantized(WORK / "target_nvfp4_shipped").eval() if args.keep_weight else None
     if args.hard:
         import tool_probe
         probes = tool_probe.heldout_examples(), tool_probe.generated_examples(50)   # 2-4 tools
@@ -482,6 +505,8 @@ def main(model=None):
                 step, args.name_weight, BATCH, args.hard_share, args.tool_share, args.multi_share,
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
+            if args.keep_weight:
+                loss = loss + args.keep_weight * keep_loss(model, teacher, ul_prompts(step, KEEP_PROMPTS), KEEP_TOKENS)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
                                                              args.agent_attend, carry_log, args.agent_copy,
@@ -496,7 +521,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "made_up_files": args.made_up_files})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "keep_weight": args.keep_weight, "made_up_files": args.made_up_files})
         return
 
     def step_loss(model, stream, step):
