@@ -447,7 +447,7 @@ def main(model=None):
     ap.add_argument("--agent-readout", type=float, default=0.0,
                     help="weight of copy_readout_loss on the agent calls' argument tokens")
     ap.add_argument("--keep-weight", type=float, default=0.0,
-                    help="weight of keep_loss: the shipped target's greedy answers (--init's export) kept")
+                    help="weight of keep_loss: the shipped target's greedy answers (work/target_nvfp4_shipped, step 4r) kept")
     ap.add_argument("--mirror-names", action="store_true",
                     help="agent calls spell a named file in the request's pieces (agent_data.mirrored)")
     ap.add_argument("--made-up-files", type=float, default=0.0,
