@@ -30,13 +30,11 @@ READ_OPENINGS = {"codex": "<tool_call>\n<function=exec_command>\n<parameter=cmd>
 
 def probe(model) -> str:
     first, later = [], []      # (mass, right) per copied piece
-    layer = model.model.layers[tune_tools.CARRY_LAYER].mixer
     with torch.no_grad(), parametrize.cached():
         for i in range(CALLS):
             prompt, reply = agent_data.example("heldout", i, None, "call")
             kept = []
-            hook = layer.register_forward_pre_hook(
-                lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+            hook = tune_tools.keep_attention_inputs(model, kept)
             logits = model(torch.tensor([prompt + reply])).logits[0]
             hook.remove()
             where = tune_tools.value_positions(reply)
@@ -55,7 +53,6 @@ def probe(model) -> str:
 
 def where(model, asks) -> list[str]:
     tok = chat_data.tokenizer()
-    layer = model.model.layers[tune_tools.CARRY_LAYER].mixer
     out = []
     with torch.no_grad(), parametrize.cached():
         for ask in asks:
@@ -63,8 +60,7 @@ def where(model, asks) -> list[str]:
                 prompt = agent_data.render(agent, agent_turns.body_of(agent, ask, agent_turns.CWD))
                 ids = prompt + tok.encode(opening, add_special_tokens=False)
                 kept = []
-                hook = layer.register_forward_pre_hook(
-                    lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+                hook = tune_tools.keep_attention_inputs(model, kept)
                 logits = model(torch.tensor([ids])).logits[0, -1]
                 hook.remove()
                 start = agent_data.last_turn_start(prompt)

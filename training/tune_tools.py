@@ -81,10 +81,11 @@ def keep_loss(model, teacher, prompts, max_tokens):
     eos = chat_data.tokenizer().eos_token_id
     total, count = torch.zeros(()), 0
     for p in prompts:   # one at a time: no left padding for the recurrent layers
-        with torch.no_grad():
-            seq = teacher.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                                   pad_token_id=0, eos_token_id=eos)
-            want = F.log_softmax(teacher(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
+        with torch.no_grad():   # the logits generate saw: no second forward of the teacher
+            out = teacher.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                                   eos_token_id=eos, return_dict_in_generate=True, output_logits=True)
+            seq = out.sequences
+            want = F.log_softmax(torch.cat(out.logits).float(), -1)
         got = F.log_softmax(model(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
         total = total + (want.exp() * (want - got)).sum()
         count += len(want)
@@ -252,6 +253,12 @@ def weighted_answer_loss(model, ids, labels, weights, carry=None, carry_weight=0
     return loss
 
 
+def keep_attention_inputs(model, kept):
+    """Appends each forward's input to the attention layer to ``kept``; returns the hook's handle."""
+    return model.model.layers[CARRY_LAYER].mixer.register_forward_pre_hook(
+        lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+
+
 def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None, copy_weight=0.0, readout_weight=0.0):
     """The answer loss on ``rows`` agent turns (agent_data.example; half Codex, half opencode,
     three calls to one answer), the called name and the arguments' first tokens weighted by
@@ -268,9 +275,7 @@ def agent_loss(model, step, rows, weight=1.0, attend_weight=0.0, log=None, copy_
                                     "result" if i % 4 == 3 else "call") for i in range(rows // 2)]
         n = agent_data.shared_prefix([p for p, _ in group])
         kept = []
-        hook = model.model.layers[CARRY_LAYER].mixer.register_forward_pre_hook(
-            lambda m, args, kw: kept.append(args[0] if args else kw["hidden_states"]),
-            with_kwargs=True) if attend_weight or copy_weight or readout_weight else None
+        hook = keep_attention_inputs(model, kept) if attend_weight or copy_weight or readout_weight else None
         said = []
         out_hook = model.model.layers[CARRY_LAYER].register_forward_hook(
             lambda m, args, out: said.append(out[0] if isinstance(out, tuple) else out)) if readout_weight else None
