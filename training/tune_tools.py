@@ -74,18 +74,23 @@ def ul_prompts(step, batch=None):
 KEEP_PROMPTS, KEEP_TOKENS = 2, 64   # keep_loss per answer step: 2 greedy answers of 64 tokens, about 3 s
 
 
-def keep_loss(model, teacher, prompts, max_tokens):
-    """KL(teacher || model) on the teacher's own greedy answers to ``prompts`` (ul_prompts): the
-    shipped target's answers, which met the loop bars, kept while the agent turns are learnt
-    (learning without forgetting, Li and Hoiem 2016)."""
+def keep_loss(model, teacher, prompts, max_tokens, on_policy=False):
+    """KL(teacher || model) on greedy answers to ``prompts`` (ul_prompts): the shipped target's
+    answers, which met the loop bars, kept while the agent turns are learnt (learning without
+    forgetting, Li and Hoiem 2016). ``on_policy``: on the model's own greedy answers instead, so
+    the teacher also corrects the states the model's loops lead to, which its own answers never
+    visit (on-policy distillation, Agarwal et al. 2024, "GKD")."""
     eos = chat_data.tokenizer().eos_token_id
     total, count = torch.zeros(()), 0
     for p in prompts:   # one at a time: no left padding for the recurrent layers
-        with torch.no_grad():   # the logits generate saw: no second forward of the teacher
-            out = teacher.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                                   eos_token_id=eos, return_dict_in_generate=True, output_logits=True)
+        with torch.no_grad():
+            out = (model if on_policy else teacher).generate(
+                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                eos_token_id=eos, return_dict_in_generate=True, output_logits=not on_policy)
             seq = out.sequences
-            want = F.log_softmax(torch.cat(out.logits).float(), -1)
+            # off policy, the logits generate saw: no second forward of the teacher
+            logits = teacher(seq[:, :-1]).logits[0, len(p) - 1:] if on_policy else torch.cat(out.logits)
+            want = F.log_softmax(logits.float(), -1)
         got = F.log_softmax(model(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
         total = total + (want.exp() * (want - got)).sum()
         count += len(want)
@@ -453,6 +458,8 @@ def main(model=None):
                     help="weight of copy_readout_loss on the agent calls' argument tokens")
     ap.add_argument("--keep-weight", type=float, default=0.0,
                     help="weight of keep_loss: the shipped target's greedy answers (work/target_nvfp4_shipped, step 4r) kept")
+    ap.add_argument("--keep-on-policy", action="store_true",
+                    help="keep_loss on the tuned model's own greedy answers, not the shipped target's")
     ap.add_argument("--mirror-names", action="store_true",
                     help="agent calls spell a named file in the request's pieces (agent_data.mirrored)")
     ap.add_argument("--made-up-files", type=float, default=0.0,
@@ -511,7 +518,8 @@ def main(model=None):
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
             if args.keep_weight:
-                loss = loss + args.keep_weight * keep_loss(model, teacher, ul_prompts(step, KEEP_PROMPTS), KEEP_TOKENS)
+                loss = loss + args.keep_weight * keep_loss(model, teacher, ul_prompts(step, KEEP_PROMPTS), KEEP_TOKENS,
+                                                            args.keep_on_policy)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
                                                              args.agent_attend, carry_log, args.agent_copy,
@@ -526,7 +534,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "keep_weight": args.keep_weight, "made_up_files": args.made_up_files})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "keep_weight": args.keep_weight, "keep_on_policy": args.keep_on_policy, "made_up_files": args.made_up_files})
         return
 
     def step_loss(model, stream, step):
