@@ -74,6 +74,23 @@ def ul_prompts(step, batch=None):
 KEEP_PROMPTS, KEEP_TOKENS = 2, 64   # keep_loss per answer step: 2 greedy answers of 64 tokens, about 3 s
 
 
+def keep_prompts(step, n):
+    """keep_loss's prompts: chat requests with thinking off and on, and raw def lines: the three
+    kinds of prompt whose greedy answers the loop and thinking bars measure."""
+    rng = random.Random(f"{SEED}-keep-{step}")
+    tok = chat_data.tokenizer()
+    out = []
+    for _ in range(n):
+        name, summary, code = rng.choice(chat_data.tasks("train"))
+        kind = rng.choice(["chat", "think", "raw"])
+        if kind == "raw":
+            out.append(tok.encode(code.splitlines()[0], add_special_tokens=False))
+        else:
+            msg = [{"role": "user", "content": chat_data.ask(name, summary, rng)}]
+            out.append(tok.encode(chat_data.render(msg, kind == "think"), add_special_tokens=False))
+    return out
+
+
 def keep_loss(model, teacher, prompts, max_tokens, on_policy=False):
     """KL(teacher || model) on greedy answers to ``prompts`` (ul_prompts): the shipped target's
     answers, which met the loop bars, kept while the agent turns are learnt (learning without
@@ -458,6 +475,8 @@ def main(model=None):
                     help="weight of copy_readout_loss on the agent calls' argument tokens")
     ap.add_argument("--keep-weight", type=float, default=0.0,
                     help="weight of keep_loss: the shipped target's greedy answers (work/target_nvfp4_shipped, step 4r) kept")
+    ap.add_argument("--keep-kinds", action="store_true",
+                    help="keep_loss on keep_prompts (thinking on too), not ul_prompts")
     ap.add_argument("--keep-on-policy", action="store_true",
                     help="keep_loss on the tuned model's own greedy answers, not the shipped target's")
     ap.add_argument("--mirror-names", action="store_true",
@@ -518,7 +537,7 @@ def main(model=None):
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
             if args.keep_weight:
-                loss = loss + args.keep_weight * keep_loss(model, teacher, ul_prompts(step, KEEP_PROMPTS), KEEP_TOKENS,
+                loss = loss + args.keep_weight * keep_loss(model, teacher, (keep_prompts if args.keep_kinds else ul_prompts)(step, KEEP_PROMPTS), KEEP_TOKENS,
                                                             args.keep_on_policy)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
@@ -534,7 +553,7 @@ def main(model=None):
                                  "name_weight": args.name_weight, "batch": BATCH, "hard_share": args.hard_share,
                                  "tool_share": args.tool_share, "random_names": args.random_names,
                                  "multi_share": args.multi_share, "first_weight": args.first_weight,
-                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "keep_weight": args.keep_weight, "keep_on_policy": args.keep_on_policy, "made_up_files": args.made_up_files})
+                                 "corpus_every": args.corpus_every, "two_tools": args.two_tools, "kinds": args.kinds, "carry_weight": args.carry_weight, "carry_span": args.carry_span, "vocab_names": args.vocab_names, "select_weight": args.select_weight, "attend_weight": args.attend_weight, "def_lines": args.def_lines, "ul_every": args.ul_every, "ul_tokens": args.ul_tokens, "qat": args.qat, "chat_thoughts": args.chat_thoughts, "agent_rows": args.agent_rows, "agent_weight": args.agent_weight, "agent_attend": args.agent_attend, "agent_copy": args.agent_copy, "agent_readout": args.agent_readout, "mirror_names": args.mirror_names, "keep_weight": args.keep_weight, "keep_on_policy": args.keep_on_policy, "keep_kinds": args.keep_kinds, "made_up_files": args.made_up_files})
         return
 
     def step_loss(model, stream, step):
