@@ -75,38 +75,52 @@ KEEP_PROMPTS, KEEP_TOKENS = 2, 64   # keep_loss per answer step: 2 greedy answer
 
 
 def keep_prompts(step, n):
-    """keep_loss's prompts: chat requests with thinking off and on, and raw def lines: the three
-    kinds of prompt whose greedy answers the loop and thinking bars measure."""
+    """keep_loss's (prompt, thought only): chat requests with thinking off and on, raw def lines, and
+    requests with tools offered and thinking on, kept only up to the thought's close (the answer
+    after it is the agent turns' to learn): the kinds the loop and thinking bars measure."""
     rng = random.Random(f"{SEED}-keep-{step}")
     tok = chat_data.tokenizer()
     out = []
     for _ in range(n):
         name, summary, code = rng.choice(chat_data.tasks("train"))
-        kind = rng.choice(["chat", "think", "raw"])
+        kind = rng.choice(["chat", "think", "raw", "tools"])
         if kind == "raw":
-            out.append(tok.encode(code.splitlines()[0], add_special_tokens=False))
+            text = code.splitlines()[0]
+        elif kind == "tools":
+            messages, tools = tool_data.conversation("train", rng)[:2]
+            text = tool_data.render(messages, tools, True)
         else:
-            msg = [{"role": "user", "content": chat_data.ask(name, summary, rng)}]
-            out.append(tok.encode(chat_data.render(msg, kind == "think"), add_special_tokens=False))
+            text = chat_data.render([{"role": "user", "content": chat_data.ask(name, summary, rng)}], kind == "think")
+        out.append((tok.encode(text, add_special_tokens=False), kind == "tools"))
     return out
 
 
+def thought_end(ids):
+    """How many of ``ids`` run through the first ``</think>`` (all of them if none closes)."""
+    close = chat_data.tokenizer().encode("</think>", add_special_tokens=False)
+    for i in range(len(ids) - len(close) + 1):
+        if ids[i:i + len(close)] == close:
+            return i + len(close)
+    return len(ids)
+
+
 def keep_loss(model, teacher, prompts, max_tokens, on_policy=False):
-    """KL(teacher || model) on greedy answers to ``prompts`` (ul_prompts): the shipped target's
-    answers, which met the loop bars, kept while the agent turns are learnt (learning without
-    forgetting, Li and Hoiem 2016). ``on_policy``: on the model's own greedy answers instead, so
-    the teacher also corrects the states the model's loops lead to, which its own answers never
-    visit (on-policy distillation, Agarwal et al. 2024, "GKD")."""
+    """KL(teacher || model) on greedy answers to ``prompts`` ((ids, thought only) pairs): the
+    shipped target's answers, which met the loop bars, kept while the agent turns are learnt
+    (learning without forgetting, Li and Hoiem 2016). ``on_policy``: on the model's own greedy
+    answers instead, so the teacher also corrects the states the model's loops lead to, which its
+    own answers never visit (on-policy distillation, Agarwal et al. 2024, "GKD")."""
     eos = chat_data.tokenizer().eos_token_id
     total, count = torch.zeros(()), 0
-    for p in prompts:   # one at a time: no left padding for the recurrent layers
+    for p, thought_only in prompts:   # one at a time: no left padding for the recurrent layers
         with torch.no_grad():
             out = (model if on_policy else teacher).generate(
                 torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
                 eos_token_id=eos, return_dict_in_generate=True, output_logits=not on_policy)
-            seq = out.sequences
+            keep = thought_end(out.sequences[0, len(p):].tolist()) if thought_only else max_tokens
+            seq = out.sequences[:, :len(p) + keep]
             # off policy, the logits generate saw: no second forward of the teacher
-            logits = teacher(seq[:, :-1]).logits[0, len(p) - 1:] if on_policy else torch.cat(out.logits)
+            logits = teacher(seq[:, :-1]).logits[0, len(p) - 1:] if on_policy else torch.cat(out.logits)[:keep]
             want = F.log_softmax(logits.float(), -1)
         got = F.log_softmax(model(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
         total = total + (want.exp() * (want - got)).sum()
@@ -476,7 +490,7 @@ def main(model=None):
     ap.add_argument("--keep-weight", type=float, default=0.0,
                     help="weight of keep_loss: the shipped target's greedy answers (work/target_nvfp4_shipped, step 4r) kept")
     ap.add_argument("--keep-kinds", action="store_true",
-                    help="keep_loss on keep_prompts (thinking on too), not ul_prompts")
+                    help="keep_loss on keep_prompts (thinking on, tools offered too), not ul_prompts")
     ap.add_argument("--keep-on-policy", action="store_true",
                     help="keep_loss on the tuned model's own greedy answers, not the shipped target's")
     ap.add_argument("--mirror-names", action="store_true",
@@ -537,7 +551,7 @@ def main(model=None):
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
             if args.keep_weight:
-                loss = loss + args.keep_weight * keep_loss(model, teacher, (keep_prompts if args.keep_kinds else ul_prompts)(step, KEEP_PROMPTS), KEEP_TOKENS,
+                loss = loss + args.keep_weight * keep_loss(model, teacher, keep_prompts(step, KEEP_PROMPTS) if args.keep_kinds else [(p, False) for p in ul_prompts(step, KEEP_PROMPTS)], KEEP_TOKENS,
                                                             args.keep_on_policy)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
