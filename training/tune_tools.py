@@ -90,7 +90,8 @@ def keep_prompts(step, n):
             messages, tools = tool_data.conversation("train", rng)[:2]
             text = tool_data.render(messages, tools, True)
         else:
-            text = chat_data.render([{"role": "user", "content": chat_data.ask(name, summary, rng)}], kind == "think")
+            ask = [{"role": "user", "content": chat_data.ask(name, summary, rng)}]
+            text = chat_data.render(ask, kind == "think")
         out.append((tok.encode(text, add_special_tokens=False), kind == "tools"))
     return out
 
@@ -551,8 +552,9 @@ def main(model=None):
                 args.first_weight), args.carry_weight, carry_log, args.select_weight, args.first_weight,
                 attend[0] if attend else None, args.attend_weight)
             if args.keep_weight:
-                loss = loss + args.keep_weight * keep_loss(model, teacher, keep_prompts(step, KEEP_PROMPTS) if args.keep_kinds else [(p, False) for p in ul_prompts(step, KEEP_PROMPTS)], KEEP_TOKENS,
-                                                            args.keep_on_policy)
+                kept = keep_prompts(step, KEEP_PROMPTS) if args.keep_kinds else \
+                    [(p, False) for p in ul_prompts(step, KEEP_PROMPTS)]
+                loss = loss + args.keep_weight * keep_loss(model, teacher, kept, KEEP_TOKENS, args.keep_on_policy)
             if args.agent_rows:
                 loss = loss + args.agent_weight * agent_loss(model, step, args.agent_rows, args.name_weight,
                                                              args.agent_attend, carry_log, args.agent_copy,
