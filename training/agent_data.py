@@ -166,7 +166,7 @@ def last_turn_start(prompt: list[int]) -> int:
     """Where the prompt's last turn (the user's request) starts: its last ``<|im_start|>`` but
     the reply's own, which the demo's tokenizer spells in 7 pieces."""
     mark = chat_data.tokenizer().encode("<|im_start|>", add_special_tokens=False)
-    return [i for i in range(len(prompt) - len(mark)) if prompt[i:i + len(mark)] == mark][-2]
+    return chat_data.piece_starts(prompt, mark)[-2]
 
 
 def shared_prefix(prompts) -> int:

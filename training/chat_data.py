@@ -93,6 +93,11 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(DEMO)
 
 
+def piece_starts(ids: list[int], piece: list[int]) -> list[int]:
+    """Where ``piece`` (token ids: a marker the demo's tokenizer spells in several) starts in ``ids``."""
+    return [i for i in range(len(ids) - len(piece) + 1) if ids[i:i + len(piece)] == piece]
+
+
 def render(messages, thinking: bool) -> str:
     return tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                            enable_thinking=thinking)

@@ -99,10 +99,8 @@ def keep_prompts(step, n):
 def thought_end(ids):
     """How many of ``ids`` run through the first ``</think>`` (all of them if none closes)."""
     close = chat_data.tokenizer().encode("</think>", add_special_tokens=False)
-    for i in range(len(ids) - len(close) + 1):
-        if ids[i:i + len(close)] == close:
-            return i + len(close)
-    return len(ids)
+    at = chat_data.piece_starts(ids, close)
+    return at[0] + len(close) if at else len(ids)
 
 
 def keep_loss(model, teacher, prompts, max_tokens, on_policy=False):
