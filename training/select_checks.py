@@ -3,8 +3,9 @@ tune checkpoints here, then confirm the choice once on testkit/demo_acts.py's he
 
 The bars are small (29 loop prompts, 5 forced calls, 10 thoughts) and a tune moves which of their
 prompts fail from one checkpoint to the next, so picking the checkpoint that passes them would
-make the held-out prompts a training signal. These sets are the same measures on other prompts,
-none of them a testkit prompt or a training/tool_data.py name:
+make the held-out prompts a training signal. These sets are the same measures on other prompts:
+none is a testkit or prompts.json prompt or a paraphrase of one (such as "def g(y):" for the
+bar's "def f(x):"), and no tool name is a testkit or training/tool_data.py one:
 - loops: distinct 4-grams in LOOP_TOKENS greedy tokens on loop_validation.py's 24 prompts and on
   24 written in the bar's own style (18 requests through the chat template, 6 raw def lines);
 - forced calls: ``tool_choice: "required"`` through the real server on 8 requests and 3 tool sets
@@ -22,26 +23,26 @@ import loop_validation
 from testkit.demo_acts import CALL_TOKENS, LOOP_TOKENS, THINK_TOKENS, distinct_4grams, function, served
 
 ASKS = [
-    "Write a function that returns the first element of a tuple.",
-    "Write a function that converts kilometres to miles.",
+    "Write a function that swaps the keys and values of a dictionary.",
+    "Write a function that checks whether a list is sorted.",
     "Write a function that checks whether a number is even.",
-    "Write a function that returns the median of a list of numbers.",
-    "Write a function that counts the vowels in a word.",
-    "Write a function that returns the factorial of n.",
+    "Write a function that returns the absolute difference of two numbers.",
+    "Write a function that counts the digits in a number.",
+    "Write a function that returns the smallest of three numbers.",
     "How do I merge two dictionaries in Python?",
-    "Write a function that removes duplicates from a list.",
+    "Write a function that returns the last n lines of a file.",
     "Write a function that returns the number of days in a month.",
     "Write a function that lowercases every key of a dictionary.",
-    "Write a function that returns the product of a list of numbers.",
-    "Write a function that reads a text file and returns its lines.",
+    "Write a function that returns the current time as a string.",
+    "Write a function that writes a list of lines to a file.",
     "How do I get the current date in Python?",
     "Write a function that replaces tabs with four spaces.",
     "Write a function that returns the largest value of a dictionary.",
-    "Write a class for a stack with push and pop methods.",
-    "Write a function that joins a list of words with commas.",
+    "Write a class for a queue with enqueue and dequeue methods.",
+    "Write a function that repeats a string n times.",
     "Write a function that returns the length of the longest word.",
 ]
-RAW = ["def run():", "def g(y):", "def add(a, b):", "def parse(text):", "def setup():", "def is_even(n):"]
+RAW = ["def reset(self):", "def load(path):", "def add(a, b):", "def parse(text):", "def setup():", "def count(items):"]
 TOOLS = [
     [function("peek_file", "Print the text of a file.", [("file_name", "string", "The file to print")]),
      function("run_cmd", "Run a shell command.", [("cmd", "string", "The command")])],
