@@ -122,14 +122,16 @@ def tool_checks(client, model: str) -> list[dict]:
     return out
 
 
-def thinking_checks(client, model: str, temperature: float = 0.0, seed: int | None = None) -> list[dict]:
+def thinking_checks(client, model: str, temperature: float = 0.0, seed: int | None = None,
+                    asks: list[tuple[str, list | None]] | None = None) -> list[dict]:
     """With thinking on, through the server: per held-out chat prompt (no tools) and per
     held-out tool request (its tools offered, as an agent sends them), the thought's length
     in tokens (its closing tag included) and whether the reply wrote a thought, closed it
     within THINK_TOKENS and then answered (text or a call). Greedy unless ``temperature``
-    (then sampled with ``seed``), as an agent such as Claude Code samples at 1."""
-    asks = [(p, None) for p in CHAT_PROMPTS[:5]] + [(ask, HELDOUT_TOOLS[k])
-                                                     for k, ask, *_ in HELDOUT_REQUESTS]
+    (then sampled with ``seed``), as an agent such as Claude Code samples at 1. ``asks``:
+    other (request, tools or None) pairs instead of the held-out ones."""
+    asks = asks or [(p, None) for p in CHAT_PROMPTS[:5]] + [(ask, HELDOUT_TOOLS[k])
+                                                            for k, ask, *_ in HELDOUT_REQUESTS]
     out = []
     for ask, tools in asks:
         r = client.chat.completions.create(

@@ -20,7 +20,7 @@ import argparse
 import mlx_dspark as md
 
 import loop_validation
-from testkit.demo_acts import CALL_TOKENS, LOOP_TOKENS, THINK_TOKENS, distinct_4grams, function, served
+from testkit.demo_acts import CALL_TOKENS, LOOP_TOKENS, distinct_4grams, function, served, thinking_checks
 
 ASKS = [
     "Write a function that swaps the keys and values of a dictionary.",
@@ -70,15 +70,9 @@ def acts(client) -> tuple[int, int]:
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], tools=TOOLS[k],
                                            tool_choice="required", max_tokens=CALL_TOKENS, temperature=0)
         forced += bool(r.choices[0].message.tool_calls)
-    closed = 0
-    for ask, tools in [(a, None) for a in ASKS[:5]] + [(a, TOOLS[k]) for k, a in REQUESTS[:3]]:
-        r = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": ask}], max_tokens=THINK_TOKENS + 64, temperature=0,
-            extra_body={"chat_template_kwargs": {"enable_thinking": True}}, **({"tools": tools} if tools else {}))
-        m = r.choices[0].message
-        thought = (m.model_extra or {}).get("reasoning_content") or ""
-        closed += bool(thought.strip()) and r.usage.completion_tokens_details.reasoning_tokens <= THINK_TOKENS \
-            and bool((m.content or "").strip() or m.tool_calls)
+    thoughts = thinking_checks(client, "m", asks=[(a, None) for a in ASKS[:5]] +
+                               [(a, TOOLS[k]) for k, a in REQUESTS[:3]])
+    closed = sum(r["closed"] for r in thoughts)
     return forced, closed
 
 
