@@ -13,7 +13,7 @@ bar's "def f(x):"), and no tool name is a testkit or training/tool_data.py one:
 - thinking: with thinking on, 5 requests without tools and 3 with, closed within THINK_TOKENS and
   then answered.
 
-    PYTHONPATH=<testkit's parent>:training $FX training/select_checks.py training/work/cands/NAME ...
+    PYTHONPATH=<testkit's parent>:training $RT training/select_checks.py training/work/cands/NAME ...
 """
 import argparse
 
@@ -55,6 +55,7 @@ TOOLS = [
 REQUESTS = [(0, "Show me the file utils.py."), (0, "Run `make build`."), (1, "What is inside the docs folder?"),
             (1, "Open notes.txt please."), (2, "Execute `git status`."), (2, "Save 'done' into status.txt."),
             (0, "Print setup.cfg."), (1, "List the directory tests.")]
+THOUGHTS = [(a, None) for a in ASKS[:5]] + [(a, TOOLS[k]) for k, a in REQUESTS[:3]]
 
 
 def loops(pair) -> list[float]:
@@ -70,10 +71,7 @@ def acts(client) -> tuple[int, int]:
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ask}], tools=TOOLS[k],
                                            tool_choice="required", max_tokens=CALL_TOKENS, temperature=0)
         forced += bool(r.choices[0].message.tool_calls)
-    thoughts = thinking_checks(client, "m", asks=[(a, None) for a in ASKS[:5]] +
-                               [(a, TOOLS[k]) for k, a in REQUESTS[:3]])
-    closed = sum(r["closed"] for r in thoughts)
-    return forced, closed
+    return forced, sum(r["closed"] for r in thinking_checks(client, "m", asks=THOUGHTS))
 
 
 def main():
@@ -88,7 +86,7 @@ def main():
         finally:
             engine.stop()
         shares = loops(load())
-        print(f"{cand}: forced {forced}/{len(REQUESTS)} thoughts {closed}/8 loops worst {min(shares):.3f} "
+        print(f"{cand}: forced {forced}/{len(REQUESTS)} thoughts {closed}/{len(THOUGHTS)} loops worst {min(shares):.3f} "
               f"mean {sum(shares) / len(shares):.3f} under 0.5: {sum(s < 0.5 for s in shares)} of {len(shares)}",
               flush=True)
 
