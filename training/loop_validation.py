@@ -27,6 +27,13 @@ def prompts():
     return chats, raw
 
 
+def shares(pair, chats, raw, tokens=LOOP_TOKENS) -> list[float]:
+    """The share of distinct 4-grams in ``tokens`` greedy tokens for each chat request (through
+    the chat template), then for each raw prompt."""
+    return [distinct_4grams(md.generate(pair, p, max_tokens=tokens, chat=True).tokens) for p in chats] + \
+           [distinct_4grams(md.generate(pair, p, max_tokens=tokens, chat=False).tokens) for p in raw]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("pairs", nargs="+", help="folders holding target/")
@@ -35,10 +42,9 @@ def main():
     chats, raw = prompts()
     for cand in args.pairs:
         pair = md.load(f"{cand}/target", drafter=None)
-        shares = [distinct_4grams(md.generate(pair, p, max_tokens=args.tokens, chat=True).tokens) for p in chats]
-        shares += [distinct_4grams(md.generate(pair, p, max_tokens=args.tokens, chat=False).tokens) for p in raw]
-        print(f"{cand}: worst {min(shares):.3f} mean {sum(shares) / len(shares):.3f} "
-              f"under 0.5: {sum(s < 0.5 for s in shares)} of {len(shares)}", flush=True)
+        got = shares(pair, chats, raw, args.tokens)
+        print(f"{cand}: worst {min(got):.3f} mean {sum(got) / len(got):.3f} "
+              f"under 0.5: {sum(s < 0.5 for s in got)} of {len(got)}", flush=True)
 
 
 if __name__ == "__main__":

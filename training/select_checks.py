@@ -20,7 +20,7 @@ import argparse
 import mlx_dspark as md
 
 import loop_validation
-from testkit.demo_acts import CALL_TOKENS, LOOP_TOKENS, distinct_4grams, function, served, thinking_checks
+from testkit.demo_acts import CALL_TOKENS, function, served, thinking_checks
 
 ASKS = [
     "Write a function that swaps the keys and values of a dictionary.",
@@ -60,8 +60,7 @@ THOUGHTS = [(a, None) for a in ASKS[:5]] + [(a, TOOLS[k]) for k, a in REQUESTS[:
 
 def loops(pair) -> list[float]:
     chats, raw = loop_validation.prompts()
-    return [distinct_4grams(md.generate(pair, p, LOOP_TOKENS, chat=True).tokens) for p in chats + ASKS] + \
-           [distinct_4grams(md.generate(pair, p, LOOP_TOKENS).tokens) for p in raw + RAW]
+    return loop_validation.shares(pair, chats + ASKS, raw + RAW)
 
 
 def acts(client) -> tuple[int, int]:
