@@ -14,6 +14,7 @@ straight-through estimator). ``main`` checks the rounding against a real export,
     python training/nvfp4_qat.py CKPT EXPORT_DIR   # the rounding here against EXPORT_DIR's bytes
 """
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -88,6 +89,20 @@ def enable(model):
     for module, name, rounding in roundings(model):
         parametrize.register_parametrization(module, name, Rounded(rounding))
     return model
+
+
+@contextmanager
+def rounded_once(model):
+    """Each parameter's rounding computed once for a step, with its gradient. parametrize.cached()
+    keeps the first value it computes, and one computed under no_grad (the greedy answers that
+    unlikelihood and the on-policy keep loss generate before their loss) carries no gradient:
+    such a step trained the two unrounded routers alone (found in session 21)."""
+    with parametrize.cached():
+        for module in model.modules():
+            if parametrize.is_parametrized(module):
+                for name in module.parametrizations:
+                    getattr(module, name)
+        yield
 
 
 def disable(model):

@@ -24,7 +24,6 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 import chat_data
 import nvfp4_qat
@@ -117,7 +116,7 @@ def tune(steps, seed, ckpt, step_loss, held_out, lr=LR, ckpt_every=CKPT_EVERY, m
         nvfp4_qat.enable(model)
     t0 = time.time()
     while step < steps:
-        with parametrize.cached():   # the rounding once per step (qat)
+        with nvfp4_qat.rounded_once(model):   # the rounding once per step (qat)
             loss, rep = step_loss(model, stream, step)
         opt.zero_grad(set_to_none=True)
         if loss.requires_grad:
