@@ -36,6 +36,7 @@ from export_target import load_dequantized
 from tune_chat import BATCH, answer_loss, padded, tune, unlikelihood
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 SEED = 8642
 LR = 4e-4
@@ -103,28 +104,65 @@ def thought_end(ids):
     return at[0] + len(close) if at else len(ids)
 
 
-def keep_loss(model, teacher, prompts, max_tokens, on_policy=False):
+def keep_loss(model, teacher, prompts, max_tokens, on_policy=False, deloop=False):
     """KL(teacher || model) on greedy answers to ``prompts`` ((ids, thought only) pairs): the
     shipped target's answers, which met the loop bars, kept while the agent turns are learnt
     (learning without forgetting, Li and Hoiem 2016). ``on_policy``: on the model's own greedy
     answers instead, so the teacher also corrects the states the model's loops lead to, which its
-    own answers never visit (on-policy distillation, Agarwal et al. 2024, "GKD")."""
+    own answers never visit (on-policy distillation, Agarwal et al. 2024, "GKD"). ``deloop``
+    (on policy): the answers are decoded with third_repeats' tokens barred, and the teacher's
+    distribution has the same tokens masked, so where the model would loop its target is the
+    teacher's next choice instead of the loop."""
     eos = chat_data.tokenizer().eos_token_id
     total, count = torch.zeros(()), 0
     for p, thought_only in prompts:   # one at a time: no left padding for the recurrent layers
         with torch.no_grad():
+            bar = LogitsProcessorList([BarThirdRepeats(len(p))]) if deloop else None
             out = (model if on_policy else teacher).generate(
                 torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                eos_token_id=eos, return_dict_in_generate=True, output_logits=not on_policy)
+                eos_token_id=eos, return_dict_in_generate=True, output_logits=not on_policy,
+                logits_processor=bar)
             keep = thought_end(out.sequences[0, len(p):].tolist()) if thought_only else max_tokens
             seq = out.sequences[:, :len(p) + keep]
             # off policy, the logits generate saw: no second forward of the teacher
             logits = teacher(seq[:, :-1]).logits[0, len(p) - 1:] if on_policy else torch.cat(out.logits)[:keep]
+            if deloop:
+                # finite, so that the barred tokens' 0 * log 0 in the KL below stays 0
+                logits = logits.masked_fill(third_repeats(seq[0, len(p):].tolist(), logits.shape[-1])[:len(logits)],
+                                            -1e9)
             want = F.log_softmax(logits.float(), -1)
         got = F.log_softmax(model(seq[:, :-1]).logits[0, len(p) - 1:].float(), -1)
         total = total + (want.exp() * (want - got)).sum()
         count += len(want)
     return total / max(count, 1)
+
+
+def third_repeats(answer, vocab, n=4):
+    """(len(answer) + 1) x vocab: at each position, the tokens that would make an n-gram's third
+    appearance in the answer so far. Twice is how code repeats itself (``self.x = x`` beside
+    ``self.y = y``); a third time starts a loop, and the loop bar's 0.5 share of distinct 4-grams
+    is what two of each leaves."""
+    barred = torch.zeros(len(answer) + 1, vocab, dtype=torch.bool)
+    seen = {}
+    for t in range(len(answer) + 1):
+        if t >= n - 1:
+            for token, times in seen.get(tuple(answer[t - n + 1:t]), {}).items():
+                barred[t, token] = times >= 2
+        if t >= n - 1 and t < len(answer):
+            after = seen.setdefault(tuple(answer[t - n + 1:t]), {})
+            after[answer[t]] = after.get(answer[t], 0) + 1
+    return barred
+
+
+class BarThirdRepeats(LogitsProcessor):
+    """Greedy decoding that never picks a third_repeats token (the answer starts at ``start``)."""
+
+    def __init__(self, start):
+        self.start = start
+
+    def __call__(self, ids, scores):
+        return scores.masked_fill(third_repeats(ids[0, self.start:].tolist(), scores.shape[-1])[-1],
+                                  float("-inf"))
 
 
 def kind(step):
