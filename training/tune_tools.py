@@ -139,9 +139,8 @@ def keep_loss(model, teacher, prompts, max_tokens, on_policy=False, deloop=False
 
 def third_repeats(answer, vocab, n=4):
     """(len(answer) + 1) x vocab: at each position, the tokens that would make an n-gram's third
-    appearance in the answer so far. Twice is how code repeats itself (``self.x = x`` beside
-    ``self.y = y``); a third time starts a loop, and the loop bar's 0.5 share of distinct 4-grams
-    is what two of each leaves."""
+    appearance in the answer so far. Code often says a 4-gram twice; a third time is how a loop
+    goes on, and two of each is what the loop bar's 0.5 share of distinct 4-grams allows."""
     barred = torch.zeros(len(answer) + 1, vocab, dtype=torch.bool)
     seen = {}
     for t in range(len(answer) + 1):
