@@ -1,6 +1,8 @@
-"""Step 3e: a tuned target without its loops (issue 41): self-distillation in which the teacher is
-the starting checkpoint itself, frozen, with the tokens that would repeat a 4-gram a third time
-masked out.
+"""Tried in step 3d (issue 41, session 21; not shipped): a tuned target without its loops, by
+self-distillation in which the teacher is the starting checkpoint itself, frozen, with the tokens
+that would repeat a 4-gram a third time masked out. Measured (training/README.md, step 3d): it
+does not lower the validation loop rate (3 to 8 of 48 from a start at 3); a trained unlikelihood
+step every second step does.
 
 Step 3d's tunes move which prompts loop, not how many (3 to 8 of select_checks.py's 48, README).
 Unlikelihood pushes a looping token down but does not say where its mass should go, and the keep
