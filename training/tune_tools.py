@@ -24,6 +24,7 @@ training/work/target_tuned_hf (then step 4, export_target.py, as before).
 import argparse
 import copy
 import random
+from collections import Counter
 from pathlib import Path
 
 
@@ -137,19 +138,22 @@ def keep_loss(model, teacher, prompts, max_tokens, on_policy=False, deloop=False
     return total / max(count, 1)
 
 
+def third_repeat_tokens(answer, n=4):
+    """The tokens that would make an n-gram's third appearance in ``answer`` if they came next.
+    Code often says a 4-gram twice; a third time is how a loop goes on, and two of each is what
+    the loop bar's 0.5 share of distinct 4-grams allows."""
+    if len(answer) < n - 1:
+        return []
+    prefix = answer[len(answer) - n + 1:]
+    after = Counter(answer[i + n - 1] for i in range(len(answer) - n + 1) if answer[i:i + n - 1] == prefix)
+    return [token for token, times in after.items() if times >= 2]
+
+
 def third_repeats(answer, vocab, n=4):
-    """(len(answer) + 1) x vocab: at each position, the tokens that would make an n-gram's third
-    appearance in the answer so far. Code often says a 4-gram twice; a third time is how a loop
-    goes on, and two of each is what the loop bar's 0.5 share of distinct 4-grams allows."""
+    """(len(answer) + 1) x vocab: third_repeat_tokens at each position of ``answer``."""
     barred = torch.zeros(len(answer) + 1, vocab, dtype=torch.bool)
-    seen = {}
     for t in range(len(answer) + 1):
-        if t >= n - 1:
-            for token, times in seen.get(tuple(answer[t - n + 1:t]), {}).items():
-                barred[t, token] = times >= 2
-        if t >= n - 1 and t < len(answer):
-            after = seen.setdefault(tuple(answer[t - n + 1:t]), {})
-            after[answer[t]] = after.get(answer[t], 0) + 1
+        barred[t, third_repeat_tokens(answer[:t], n)] = True
     return barred
 
 
@@ -160,8 +164,8 @@ class BarThirdRepeats(LogitsProcessor):
         self.start = start
 
     def __call__(self, ids, scores):
-        return scores.masked_fill(third_repeats(ids[0, self.start:].tolist(), scores.shape[-1])[-1],
-                                  float("-inf"))
+        scores[:, third_repeat_tokens(ids[0, self.start:].tolist())] = float("-inf")
+        return scores
 
 
 def kind(step):
